@@ -1,0 +1,8 @@
+"""nanoserve: a small, fast offline batch LLM inference engine."""
+from nanoserve.config import Config
+from nanoserve.llm import LLM
+from nanoserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from nanoserve.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "Logprob", "Config"]
+__version__ = "0.1.0"

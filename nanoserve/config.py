@@ -1,0 +1,119 @@
+"""Engine configuration: one dataclass, validated once, read everywhere else."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, fields
+
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "flash_attn", "triton")
+WEIGHT_SUFFIXES = (".safetensors",)
+
+
+@dataclass
+class Config:
+    """Every knob of the engine. `LLM(model, **kwargs)` takes these fields as kwargs."""
+
+    model: str
+    device: str = "auto"
+    dtype: str = "auto"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None  # None = min(4096, max_position_embeddings)
+    kvcache_block_size: int = 16
+    num_kvcache_blocks: int | None = None  # None = derived from the memory budget below
+    gpu_memory_utilization: float = 0.9
+    cpu_kvcache_space_gib: float = 4.0  # the CPU KV budget, like vLLM's VLLM_CPU_KVCACHE_SPACE
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    attention_backend: str = "auto"
+    seed: int = 0
+    # Read from the checkpoint in __post_init__; not meant to be passed by users.
+    hf_config: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self._check_model_dir()
+        self._check_choices()
+        self._check_ints()
+        self.hf_config = self._read_hf_config()
+        arch = (self.hf_config.get("architectures") or [None])[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {arch!r} in {self.model}/config.json; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        max_pos = int(self.hf_config.get("max_position_embeddings", 4096))
+        if self.max_model_len is None:
+            self.max_model_len = min(4096, max_pos)
+        elif self.max_model_len > max_pos:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the checkpoint's "
+                f"max_position_embeddings={max_pos}"
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
+                f"max_model_len={self.max_model_len} when enable_chunked_prefill=False, "
+                "otherwise a long prompt could never be scheduled"
+            )
+        num_kv_heads = self.hf_config.get("num_key_value_heads", self.hf_config.get("num_attention_heads"))
+        if num_kv_heads and num_kv_heads % self.tensor_parallel_size:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} must divide "
+                f"num_key_value_heads={num_kv_heads}"
+            )
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls) if f.name not in ("model", "hf_config")}
+
+    def _check_model_dir(self) -> None:
+        if not isinstance(self.model, (str, os.PathLike)):
+            raise TypeError(f"model must be a path to a checkpoint directory, got {type(self.model).__name__}")
+        self.model = os.fspath(self.model)
+        if not os.path.isdir(self.model):
+            raise ValueError(f"model directory {self.model!r} does not exist (no model hub: pass a local path)")
+        if not os.path.isfile(os.path.join(self.model, "config.json")):
+            raise ValueError(f"model directory {self.model!r} has no config.json")
+        if not any(f.endswith(WEIGHT_SUFFIXES) for f in os.listdir(self.model)):
+            raise ValueError(f"model directory {self.model!r} has no *.safetensors weights")
+
+    def _check_choices(self) -> None:
+        for name, allowed in (("device", DEVICES), ("dtype", DTYPES), ("attention_backend", ATTENTION_BACKENDS)):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not self.cpu_kvcache_space_gib > 0:
+            raise ValueError(f"cpu_kvcache_space_gib must be > 0, got {self.cpu_kvcache_space_gib}")
+
+    def _check_ints(self) -> None:
+        minimums = {
+            "max_num_seqs": 1,
+            "max_num_batched_tokens": 1,
+            "max_model_len": 1,
+            "kvcache_block_size": 1,
+            "num_kvcache_blocks": 1,
+            "tensor_parallel_size": 1,
+            "seed": 0,
+        }
+        for name, lo in minimums.items():
+            value = getattr(self, name)
+            if value is None and name in ("max_model_len", "num_kvcache_blocks"):
+                continue
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{name} must be an int, got {value!r}")
+            if value < lo:
+                raise ValueError(f"{name} must be >= {lo}, got {value}")
+
+    def _read_hf_config(self) -> dict:
+        with open(os.path.join(self.model, "config.json")) as f:
+            return json.load(f)

@@ -1,0 +1,153 @@
+"""Per-sequence block tables on top of the BlockPool, with hash-chained prefix caching.
+
+A block's hash is xxh64(parent block hash, its token ids), so equal hashes mean equal prefixes
+up to that block (verified on a hit). Only full blocks are cached; blocks filled during decode
+are cached too, so a later prompt that extends prompt + completion reuses them.
+"""
+from __future__ import annotations
+
+import array
+
+import xxhash
+
+from nanoserve.engine.block_pool import BlockPool
+from nanoserve.engine.sequence import Sequence
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    h = xxhash.xxh64()
+    if parent_hash is not None:
+        h.update(parent_hash.to_bytes(8, "little"))
+    h.update(array.array("q", token_ids).tobytes())
+    return h.intdigest()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        # seq_id -> hashes of its leading full blocks, computed once (token ids never change).
+        self._block_hashes: dict[int, list[int]] = {}
+        # seq_id -> how many leading blocks of its table are cached (or were tried).
+        self._num_cached_blocks: dict[int, int] = {}
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    # ---- prefix cache ---------------------------------------------------------------------
+
+    def _hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        hashes = self._block_hashes.setdefault(seq.seq_id, [])
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            hashes.append(hash_block(hashes[-1] if hashes else None, tokens))
+        return hashes
+
+    def _block_tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:
+        return tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+
+    def get_computed_blocks(self, seq: Sequence) -> list[int]:
+        """Cached blocks that hold this sequence's leading tokens. Changes nothing.
+
+        Capped so at least one token is left to compute: the step that computes it samples.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        parent_uid = None
+        for i, block_hash in enumerate(self._hashes(seq, max_blocks)):
+            block_id = self.pool.lookup(block_hash, parent_uid, self._block_tokens(seq, i))
+            if block_id is None:
+                break
+            hits.append(block_id)
+            parent_uid = self.pool.blocks[block_id].uid
+        return hits
+
+    def record_lookup(self, seq: Sequence, num_hit_tokens: int) -> None:
+        self.num_queried_tokens += seq.num_tokens
+        self.num_hit_tokens += num_hit_tokens
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Cache every block of `seq` whose tokens all have K/V now."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        start = self._num_cached_blocks.get(seq.seq_id, 0)
+        if num_full <= start:
+            return
+        hashes = self._hashes(seq, num_full)
+        for i in range(start, num_full):
+            block = self.pool.blocks[seq.block_table[i]]
+            if block.hash is None:
+                parent = self.pool.blocks[seq.block_table[i - 1]] if i else None
+                parent_uid = parent.uid if parent is not None else None
+                if i and parent_uid is None:
+                    break  # parent not cached (a duplicate): children could never be hit
+                self.pool.cache(block.block_id, hashes[i], parent_uid, self._block_tokens(seq, i))
+        self._num_cached_blocks[seq.seq_id] = num_full
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_cache()
+        self._num_cached_blocks.clear()
+
+    # ---- allocation ------------------------------------------------------------------------
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
+        """Make room for `num_new_tokens` more tokens of `seq`, adopting `computed_blocks` first.
+
+        All or nothing: returns False and changes nothing when the blocks are not there.
+        """
+        if computed_blocks:
+            assert not seq.block_table, "computed blocks are only adopted by a sequence with no blocks"
+        num_computed = seq.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_needed = self.num_blocks_for(num_computed + num_new_tokens) - len(seq.block_table) - len(computed_blocks)
+        num_revived = sum(self.pool.blocks[b].ref_count == 0 for b in computed_blocks)
+        if num_needed + num_revived > self.pool.num_free_blocks:
+            return False
+        for block_id in computed_blocks:
+            self.pool.take(block_id)
+        seq.block_table.extend(computed_blocks)
+        seq.block_table.extend(self.pool.allocate() for _ in range(max(num_needed, 0)))
+        seq.num_computed_tokens = num_computed
+        if computed_blocks:
+            self._num_cached_blocks[seq.seq_id] = len(computed_blocks)
+        return True
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Let `child` (same prompt) share the parent's full prompt blocks through ref counts."""
+        num_shared = (child.num_tokens - 1) // self.block_size
+        shared = parent.block_table[:num_shared]
+        for block_id in shared:
+            self.pool.take(block_id)
+        child.block_table = list(shared)
+        child.num_computed_tokens = num_shared * self.block_size
+        self._num_cached_blocks[child.seq_id] = min(self._num_cached_blocks.get(parent.seq_id, 0), num_shared)
+
+    def free(self, seq: Sequence) -> None:
+        """Return a sequence's blocks tail-first, so a chain's tail is evicted before its head."""
+        self.pool.release(seq.block_table[::-1])
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        self._num_cached_blocks.pop(seq.seq_id, None)
+
+    def forget(self, seq: Sequence) -> None:
+        """Drop per-sequence bookkeeping of a finished sequence."""
+        self._block_hashes.pop(seq.seq_id, None)
+
+    def check_integrity(self, seqs: list[Sequence]) -> None:
+        self.pool.check_integrity([seq.block_table for seq in seqs])
+        for seq in seqs:
+            assert len(seq.block_table) >= self.num_blocks_for(seq.num_computed_tokens), (
+                f"{seq} has computed tokens outside its blocks"
+            )

@@ -1,0 +1,245 @@
+"""The engine loop: requests in, one scheduled step at a time, finished RequestOutputs out."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from dataclasses import dataclass, field
+
+from transformers import AutoTokenizer
+
+from nanoserve.config import Config
+from nanoserve.engine.block_manager import BlockManager
+from nanoserve.engine.detokenizer import IncrementalDetokenizer
+from nanoserve.engine.model_runner import ModelRunner, StepOutput, resolve_device
+from nanoserve.engine.scheduler import ScheduledBatch, Scheduler
+from nanoserve.engine.sequence import Sequence
+from nanoserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from nanoserve.sampling_params import SamplingParams
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    detokenizers: list[IncrementalDetokenizer | None]
+    metrics: RequestMetrics
+    num_finished: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.num_finished == len(self.seqs)
+
+
+@dataclass
+class StepStats:
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    finished: list[RequestOutput] = field(default_factory=list)
+
+
+def read_generation_config(model_dir: str) -> dict:
+    path = os.path.join(model_dir, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def eos_token_ids(tokenizer, generation_config: dict) -> list[int]:
+    ids = generation_config.get("eos_token_id")
+    ids = ids if isinstance(ids, list) else ([ids] if ids is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids = [tokenizer.eos_token_id, *ids]
+    return list(dict.fromkeys(ids))
+
+
+class LLMEngine:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.generation_config = read_generation_config(config.model)
+        self.eos_token_ids = eos_token_ids(self.tokenizer, self.generation_config)
+        self.vocab_size = config.hf_config["vocab_size"]
+        self.device = resolve_device(config.device)
+        self.model_runner = self._make_runner()
+        self.num_kvcache_blocks = self.model_runner.num_kvcache_blocks
+        self._check_kv_cache_fits()
+        self.block_manager = BlockManager(
+            self.num_kvcache_blocks, config.kvcache_block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill
+        )
+        self._rng = random.Random(config.seed)  # seeds for requests that bring none
+        self._next_request_id = 0
+        self._next_seq_id = 0
+        self.requests: dict[str, Request] = {}
+
+    def _make_runner(self) -> ModelRunner:
+        if self.config.tensor_parallel_size > 1:
+            from nanoserve.engine.tp_executor import TPModelRunner
+
+            return TPModelRunner(self.config, self.device, self.eos_token_ids)
+        return ModelRunner(self.config, self.device, self.eos_token_ids)
+
+    def _check_kv_cache_fits(self) -> None:
+        block_size = self.config.kvcache_block_size
+        needed = (self.config.max_model_len + block_size - 1) // block_size
+        if self.num_kvcache_blocks < needed:
+            raise ValueError(
+                f"the KV cache has {self.num_kvcache_blocks} blocks of {block_size} tokens, but one sequence of "
+                f"max_model_len={self.config.max_model_len} tokens needs {needed}; raise num_kvcache_blocks "
+                "(or the memory budget) or lower max_model_len"
+            )
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def default_sampling_params(self) -> SamplingParams:
+        """vLLM's behaviour: the checkpoint's generation_config.json sets the sampling defaults."""
+        keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+        return SamplingParams(**{k: self.generation_config[k] for k in keys if k in self.generation_config})
+
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Every check that can fail, before any work starts."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty: a prompt needs at least one token")
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be ints in [0, {self.vocab_size}); got {bad[:5]}")
+        if len(prompt_token_ids) > self.config.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_token_ids)} tokens, longer than max_model_len={self.config.max_model_len}"
+            )
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None) -> str:
+        self.validate_request(prompt_token_ids, params)
+        request_id = str(self._next_request_id)
+        self._next_request_id += 1
+        limit = max(self.config.max_model_len, len(prompt_token_ids) + 1)
+        max_total = limit if params.max_tokens is None else min(len(prompt_token_ids) + params.max_tokens, limit)
+        seqs = []
+        for i in range(params.n):
+            seed = params.seed + i if params.seed is not None else self._rng.getrandbits(63)
+            seqs.append(Sequence(self._next_seq_id, request_id, i, prompt_token_ids, params, max_total, seed))
+            self._next_seq_id += 1
+        seqs[0].children = seqs[1:]
+        detokenizers = [self._detokenizer(prompt_token_ids, params) for _ in seqs]
+        self.requests[request_id] = Request(
+            request_id, prompt, list(prompt_token_ids), params, seqs, detokenizers, RequestMetrics(time.perf_counter())
+        )
+        self.scheduler.add(seqs[0])
+        return request_id
+
+    def _detokenizer(self, prompt_token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:
+        if not params.detokenize:
+            return None
+        return IncrementalDetokenizer(
+            self.tokenizer, prompt_token_ids, params.stop, params.include_stop_str_in_output,
+            params.skip_special_tokens, min_tokens=params.min_tokens,
+        )
+
+    # ---- the loop --------------------------------------------------------------------------
+
+    def is_finished(self) -> bool:
+        return self.scheduler.is_finished()
+
+    def step(self) -> StepStats:
+        batch = self.scheduler.schedule()
+        out = self.model_runner.run(batch)
+        got_token = self.scheduler.postprocess(batch, out.token_ids)
+        now = time.perf_counter()
+        stats = StepStats(*self._count_tokens(batch))
+        for i, seq in enumerate(got_token):
+            request = self.requests[seq.request_id]
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            self._record_logprobs(seq, out, i)
+            if self._check_stop(seq, request):
+                self.scheduler.finish(seq)
+                request.num_finished += 1
+                if request.finished:
+                    request.metrics.finished_time = now
+                    stats.finished.append(self._make_output(self.requests.pop(request.request_id)))
+        return stats
+
+    @staticmethod
+    def _count_tokens(batch: ScheduledBatch) -> tuple[int, int]:
+        prefill = sum(n for seq, n in zip(batch.seqs, batch.num_new_tokens) if n > 1 or seq.is_prefill)
+        return prefill, batch.num_tokens - prefill
+
+    def _record_logprobs(self, seq: Sequence, out: StepOutput, i: int) -> None:
+        if seq.params.logprobs is None or out.logprobs is None:
+            return
+        token = seq.token_ids[-1]
+        seq.cumulative_logprob += out.logprobs[i]
+        top = list(out.top_logprobs[i].items())[: seq.params.logprobs]
+        entry = {t: Logprob(lp, rank + 1) for rank, (t, lp) in enumerate(top)}
+        if token not in entry:
+            entry[token] = Logprob(out.logprobs[i], None)
+        seq.logprobs.append(entry)
+
+    def _check_stop(self, seq: Sequence, request: Request) -> bool:
+        params, token = seq.params, seq.token_ids[-1]
+        past_min = seq.num_output_tokens > params.min_tokens  # EOS/stop ids were masked until then
+        if past_min and not params.ignore_eos and token in self.eos_token_ids:
+            seq.finish_reason = "stop"
+            return True
+        if past_min and token in params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+            return True
+        detok = request.detokenizers[seq.sample_index]
+        if detok is not None:
+            stop = detok.update([token])
+            if stop is not None:
+                seq.finish_reason, seq.stop_reason = "stop", stop
+                return True
+        if seq.num_tokens >= seq.max_total_tokens:
+            seq.finish_reason = "length"
+            return True
+        return False
+
+    def _make_output(self, request: Request) -> RequestOutput:
+        outputs = []
+        for seq, detok in zip(request.seqs, request.detokenizers):
+            wants_logprobs = seq.params.logprobs is not None
+            outputs.append(
+                CompletionOutput(
+                    index=seq.sample_index,
+                    text=detok.output_text if detok is not None else "",
+                    token_ids=seq.output_token_ids,
+                    cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
+                    logprobs=seq.logprobs if wants_logprobs else None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        request.metrics.num_generated_tokens = max(len(o.token_ids) for o in outputs)
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=outputs,
+            num_cached_tokens=request.seqs[0].num_cached_tokens or 0,
+            finished=True,
+            metrics=request.metrics,
+        )
+
+    # ---- cache management ------------------------------------------------------------------
+
+    def abort_all(self) -> None:
+        self.scheduler.abort_all()
+        self.requests.clear()
+
+    def reset_prefix_cache(self) -> None:
+        if not self.is_finished():
+            raise RuntimeError("reset_prefix_cache() refused: requests are still running")
+        self.block_manager.reset_prefix_cache()

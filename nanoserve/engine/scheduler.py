@@ -1,0 +1,178 @@
+"""Which sequences run next, and how many new tokens each: the policy over the BlockManager.
+
+Default (vLLM v1 style): every step has a token budget (`max_num_batched_tokens`). Running
+sequences are served first (a decode takes one token, an unfinished prompt takes a chunk), then
+waiting ones in arrival order, so long prompts are prefilled in chunks next to running decodes.
+With `enable_chunked_prefill=False` a step is all-prefill or all-decode, like nano-vllm.
+When blocks run out, the most recently admitted running sequence is preempted: its blocks are
+freed and it is recomputed later (its cached blocks often survive in the prefix cache).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from nanoserve.engine.block_manager import BlockManager
+from nanoserve.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work. Single-token entries come first so attention can batch them as decodes."""
+
+    seqs: list[Sequence]
+    num_new_tokens: list[int]
+    samples: list[bool]  # does this entry reach the end of its known tokens (and so sample)?
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def num_decode_seqs(self) -> int:
+        return sum(n == 1 for n in self.num_new_tokens)
+
+    @property
+    def is_prefill_only(self) -> bool:
+        return all(seq.is_prefill for seq in self.seqs)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    @property
+    def block_size(self) -> int:
+        return self.block_manager.block_size
+
+    # ---- scheduling ------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduledBatch:
+        seqs, num_new = [], []
+        if self.enable_chunked_prefill:
+            preempted = self._schedule_running(seqs, num_new)
+            if not preempted:
+                self._schedule_waiting(seqs, num_new, chunked=True)
+        else:
+            self._schedule_waiting(seqs, num_new, chunked=False)
+            if not seqs:
+                self._schedule_running(seqs, num_new)
+        assert seqs, "schedule() found nothing to run although requests are pending"
+        order = sorted(range(len(seqs)), key=lambda i: num_new[i] != 1)  # stable: decodes first
+        seqs = [seqs[i] for i in order]
+        num_new = [num_new[i] for i in order]
+        samples = [seq.num_computed_tokens + n == seq.num_tokens for seq, n in zip(seqs, num_new)]
+        return ScheduledBatch(seqs, num_new, samples)
+
+    def _schedule_running(self, seqs: list[Sequence], num_new: list[int]) -> bool:
+        """Serve running sequences in order; returns True if anything was preempted."""
+        budget = self.max_num_batched_tokens - sum(num_new)
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.allocate_slots(seq, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    return preempted
+            seqs.append(seq)
+            num_new.append(n)
+            budget -= n
+            i += 1
+        return preempted
+
+    def _schedule_waiting(self, seqs: list[Sequence], num_new: list[int], chunked: bool) -> None:
+        budget = self.max_num_batched_tokens - sum(num_new)
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            if len(self.running) + 1 + len(seq.children) > self.max_num_seqs:
+                break
+            hits = self.block_manager.get_computed_blocks(seq)
+            n = seq.num_tokens - len(hits) * self.block_size
+            if n > budget:
+                if not chunked:
+                    break
+                n = budget
+            if not self.block_manager.allocate_slots(seq, n, hits):
+                break
+            self.block_manager.record_lookup(seq, len(hits) * self.block_size)
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = len(hits) * self.block_size
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            seqs.append(seq)
+            num_new.append(n)
+            budget -= n
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    # ---- after the forward pass ------------------------------------------------------------
+
+    def postprocess(self, batch: ScheduledBatch, sampled_token_ids: list[int]) -> list[Sequence]:
+        """Advance computed counts, cache newly full blocks, append sampled tokens.
+
+        Returns the sequences that received a token, in batch order (stop checks are the
+        engine's: they need the tokenizer).
+        """
+        sampled = iter(sampled_token_ids)
+        got_token = []
+        for seq, n, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples):
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+            if samples:
+                seq.append_token(next(sampled))
+                got_token.append(seq)
+                if seq.children:
+                    self._fork_children(seq)
+        return got_token
+
+    def _fork_children(self, parent: Sequence) -> None:
+        """Start a request's other n-1 samples on the parent's prompt blocks."""
+        at = self.running.index(parent) + 1
+        for child in parent.children:
+            self.block_manager.fork(parent, child)
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.status = SequenceStatus.RUNNING
+        self.running[at:at] = parent.children
+        parent.children = []
+
+    def abort_all(self) -> None:
+        """Drop every request (after an error mid-generate) and give back all their blocks."""
+        for seq in [*self.running, *self.waiting]:
+            self.block_manager.free(seq)
+            self.block_manager.forget(seq)
+            seq.status = SequenceStatus.FINISHED
+        self.running.clear()
+        self.waiting.clear()
+
+    def finish(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        self.block_manager.free(seq)
+        self.block_manager.forget(seq)

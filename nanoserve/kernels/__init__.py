@@ -1,0 +1,1 @@
+"""Fast kernels, each beside a PyTorch reference with the same signature."""

@@ -1,0 +1,1 @@
+"""Model building blocks; tensor parallelism lives in their weight loaders and collectives."""

@@ -1,0 +1,111 @@
+"""SamplingParams with vLLM's names, defaults and validation."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request. temperature=0 means greedy; top_k 0 or -1 disables top-k."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    detokenize: bool = True  # False skips text (and stop strings) entirely, e.g. in benchmarks
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        self._check_ranges()
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def _check_types(self) -> None:
+        for name in ("n", "top_k", "min_tokens"):
+            if not _is_int(getattr(self, name)):
+                raise TypeError(f"{name} must be an int, got {getattr(self, name)!r}")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if not _is_number(getattr(self, name)):
+                raise TypeError(f"{name} must be a number, got {getattr(self, name)!r}")
+            setattr(self, name, float(getattr(self, name)))
+        for name in ("max_tokens", "seed", "logprobs"):
+            value = getattr(self, name)
+            if value is not None and not _is_int(value):
+                raise TypeError(f"{name} must be an int or None, got {value!r}")
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "detokenize"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        stop = self.stop
+        if stop is not None and not isinstance(stop, str):
+            if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+                raise TypeError(f"stop must be a str or a list of str, got {stop!r}")
+        ids = self.stop_token_ids
+        if ids is not None and (not isinstance(ids, (list, tuple)) or not all(_is_int(t) for t in ids)):
+            raise TypeError(f"stop_token_ids must be a list of int, got {ids!r}")
+
+    def _check_ranges(self) -> None:
+        def bad(name: str, allowed: str) -> ValueError:
+            return ValueError(f"{name} must be {allowed}, got {getattr(self, name)}")
+
+        if self.n < 1:
+            raise bad("n", ">= 1")
+        if self.temperature < 0.0:
+            raise bad("temperature", ">= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "in (0, 1]")
+        if self.top_k < -1:
+            raise bad("top_k", "-1, 0 (disabled) or >= 1")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise bad(name, "in [-2, 2]")
+        if not self.repetition_penalty > 0.0:
+            raise bad("repetition_penalty", "> 0")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise bad("max_tokens", ">= 1")
+        if self.min_tokens < 0:
+            raise bad("min_tokens", ">= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise bad("logprobs", ">= 0 or None")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise bad("seed", "in [0, 2**63) or None")
+        if any(s == "" for s in ([self.stop] if isinstance(self.stop, str) else self.stop or [])):
+            raise ValueError("stop strings must be non-empty")
+        if any(t < 0 for t in self.stop_token_ids or []):
+            raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}

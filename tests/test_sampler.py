@@ -1,0 +1,369 @@
+"""Sampler: greedy, filters (statistically), penalties, seeded reproducibility, logprobs, noise."""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from nanoserve.layers.sampler import (
+    _RACE_SPAN,
+    NUM_CANDIDATES,
+    Sampler,
+    SamplingMetadata,
+    SamplingRow,
+    _log_exponential,
+    _race_full,
+    apply_penalties,
+    splitmix64,
+    stream_keys,
+    uniform_noise,
+)
+from nanoserve.sampling_params import SamplingParams
+
+CPU = torch.device("cpu")
+sampler = Sampler()
+
+
+def row(params: SamplingParams | None = None, seed: int = 0, prompt=(1, 2, 3), output=(), suppressed=()):
+    return SamplingRow(params or SamplingParams(), list(prompt), list(output), seed, list(suppressed))
+
+
+def sample(rows, logits, **build_kwargs):
+    meta = SamplingMetadata.build(rows, logits.shape[1], CPU, **build_kwargs)
+    return sampler(logits, meta)
+
+
+def randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+# ------------------------------------------------------------------------------------- greedy
+
+
+def test_all_greedy_is_argmax():
+    logits = randn(8, 1000)
+    out = sample([row(SamplingParams(temperature=0.0)) for _ in range(8)], logits)
+    assert torch.equal(out.token_ids, logits.argmax(-1))
+    assert out.logprobs is None and out.topk_token_ids is None
+
+
+def test_greedy_rows_in_a_mixed_batch_and_low_precision():
+    logits = randn(6, 500).to(torch.bfloat16)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_p=0.9)] * 3
+    out = sample([row(p, seed=i) for i, p in enumerate(params)], logits)
+    assert torch.equal(out.token_ids[::2], logits.float().argmax(-1)[::2])
+
+
+def test_greedy_ties_go_to_lowest_id():
+    logits = torch.zeros(2, 10)
+    logits[:, [3, 7]] = 5.0
+    out = sample([row(SamplingParams(temperature=0.0)), row(SamplingParams(top_k=1))], logits)
+    assert out.token_ids.tolist() == [3, 3]
+
+
+def test_top_k_1_and_tiny_temperature_equal_greedy():
+    logits = randn(16, 300)
+    rows = [row(SamplingParams(temperature=t, top_k=1), seed=i) for i, t in enumerate([0.3, 1.0, 1.7, 5.0] * 4)]
+    assert torch.equal(sample(rows, logits).token_ids, logits.argmax(-1))
+    rows = [row(SamplingParams(temperature=1e-6), seed=i) for i in range(16)]  # vLLM: < 1e-5 is greedy
+    assert torch.equal(sample(rows, logits).token_ids, logits.argmax(-1))
+
+
+# ------------------------------------------------------------------------------- statistics
+
+
+def reference_probs(logits: list[float], temperature: float, top_k: int, top_p: float, min_p: float) -> list[float]:
+    """The filtered softmax, written plainly: top_k, then top_p on the renormalised rest, then min_p."""
+    x = [v / temperature for v in logits]
+    order = sorted(range(len(x)), key=lambda i: -x[i])
+    keep = order[:top_k] if top_k > 0 else order
+    z = sum(math.exp(x[i]) for i in keep)
+    p = {i: math.exp(x[i]) / z for i in keep}
+    if top_p < 1.0:
+        nucleus, mass = [], 0.0
+        for i in keep:  # descending
+            if mass < top_p:
+                nucleus.append(i)
+                mass += p[i]
+        keep = nucleus
+    if min_p > 0.0:
+        p_max = max(p[i] for i in keep)
+        keep = [i for i in keep if p[i] >= min_p * p_max]
+    z = sum(p[i] for i in keep)
+    return [p[i] / z if i in keep else 0.0 for i in range(len(x))]
+
+
+FILTER_CASES = [
+    dict(temperature=1.0),
+    dict(temperature=0.5),
+    dict(temperature=0.7, top_k=5),
+    dict(temperature=1.3, top_p=0.8),
+    dict(temperature=1.0, min_p=0.1),
+    dict(temperature=0.9, top_k=8, top_p=0.9, min_p=0.05),
+    dict(temperature=2.0, top_p=0.5, min_p=0.2),
+]
+
+
+STAT_CASES = [
+    pytest.param(case, nc, id=",".join(f"{k}={v}" for k, v in case.items()) + f"-{name}")
+    for case in FILTER_CASES
+    for nc, name in [(NUM_CANDIDATES, "candidates"), (3, "fallback")]
+    if name == "candidates" or len(case) > 1  # temperature-only rows never use candidates
+]
+
+
+@pytest.mark.parametrize("case,num_candidates", STAT_CASES)
+def test_sampled_distribution_matches_filtered_softmax(case, num_candidates):
+    # One logit vector, n rows with distinct seeds: the n draws are independent samples.
+    # num_candidates=3 forces the full-sort / full-vocabulary fallbacks on the same rows.
+    n, V = 20000, 20
+    base = (randn(V, seed=1) * 1.5).tolist()
+    params = SamplingParams(**case)
+    rows = [row(params, seed=1000 * n + i) for i in range(n)]
+    tokens = sample(rows, torch.tensor([base] * n), num_candidates=num_candidates).token_ids
+    empirical = torch.bincount(tokens, minlength=V).double() / n
+    expected = torch.tensor(reference_probs(base, params.temperature, params.top_k, params.top_p, params.min_p),
+                            dtype=torch.float64)
+    assert (expected[empirical > 0] > 0).all(), "a filtered-out token was sampled"
+    tv = 0.5 * (empirical - expected).abs().sum().item()
+    assert tv < 0.02, tv
+
+
+def test_candidate_and_fallback_paths_draw_the_same_tokens():
+    # The cutoff is the same whichever way it is found, and the noise is keyed by token id.
+    V = 500
+    logits = randn(64, V, seed=3) * 2
+    cases = FILTER_CASES[2:] + [dict(temperature=0.8, top_p=0.95), dict(top_k=40, min_p=0.01)]
+    rows = [row(SamplingParams(**cases[i % len(cases)]), seed=i) for i in range(64)]
+    a = sample(rows, logits).token_ids
+    b = sample(rows, logits, num_candidates=2).token_ids
+    assert torch.equal(a, b)
+
+
+def test_race_over_candidates_equals_race_over_vocabulary():
+    # Peaked rows (a few tokens far above the rest): only the top can win the race, so the sampler
+    # races over its candidates; the answer must be the unrestricted full-vocabulary race's.
+    n, V = 256, 5000
+    logits = randn(n, V, seed=7)
+    top = torch.randint(0, V, (n, 40), generator=torch.Generator().manual_seed(8))
+    logits.scatter_(1, top, 25.0 + 5 * randn(n, 40, seed=9))
+    rows = [row(seed=s, output=[0] * (s % 3)) for s in range(n)]
+    keys = stream_keys(torch.arange(n), torch.arange(n) % 3)
+    expected = _race_full(logits, keys, torch.full((n,), float("-inf")))
+    assert torch.equal(sample(rows, logits).token_ids, expected)
+
+
+def test_race_span_bounds_the_noise():
+    # -log E over the extreme uniforms must fit in _RACE_SPAN with room for rounding.
+    u = torch.tensor([2.0**-24, 1 - 2.0**-24], dtype=torch.float32)
+    neg_log_e = -u.log().neg().log()
+    assert neg_log_e.max() - neg_log_e.min() < _RACE_SPAN - 0.5
+    keys = stream_keys(torch.arange(16), torch.zeros(16, dtype=torch.int64))
+    noise = -_log_exponential(keys, torch.arange(20000))
+    assert neg_log_e.min() <= noise.min() and noise.max() <= neg_log_e.max()
+
+
+# -------------------------------------------------------------------------------- penalties
+
+
+def reference_penalties(logits: list[float], prompt, output, rep, freq, pres) -> list[float]:
+    out = list(logits)
+    for v in set(prompt) | set(output):
+        out[v] = out[v] / rep if out[v] > 0 else out[v] * rep
+    for v in set(output):
+        out[v] -= freq * output.count(v)
+        out[v] -= pres
+    return out
+
+
+def test_penalties_match_reference():
+    rng = random.Random(0)
+    B, V = 12, 40
+    logits = randn(B, V, seed=4) * 3
+    rows, expected = [], []
+    for b in range(B):
+        prompt = [rng.randrange(V) for _ in range(rng.randrange(0, 15))]
+        output = [rng.randrange(V) for _ in range(rng.randrange(0, 25))]
+        # Some rows neutral: they must come out untouched.
+        rep = 1.0 if b % 4 == 0 else rng.uniform(0.5, 2.0)
+        freq = 0.0 if b % 3 == 0 else rng.uniform(-2.0, 2.0)
+        pres = 0.0 if b % 5 == 0 else rng.uniform(-2.0, 2.0)
+        params = SamplingParams(temperature=0.0, repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres)
+        rows.append(row(params, seed=b, prompt=prompt, output=output))
+        expected.append(reference_penalties(logits[b].tolist(), prompt, output, rep, freq, pres))
+    expected = torch.tensor(expected)
+    meta = SamplingMetadata.build(rows, V, CPU)
+    torch.testing.assert_close(apply_penalties(logits, meta), expected, rtol=1e-6, atol=1e-6)
+    assert torch.equal(sampler(logits, meta).token_ids, expected.argmax(-1))
+
+
+def test_no_penalty_means_no_penalty_tensors():
+    meta = SamplingMetadata.build([row(output=[1, 2, 2])], 10, CPU)
+    assert meta.seen_mask is None and meta.output_counts is None
+    logits = randn(1, 10)
+    assert apply_penalties(logits, meta) is logits
+
+
+# ----------------------------------------------------------------------------- reproducibility
+
+PROBE_PARAMS = [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7, top_p=0.9),
+    SamplingParams(temperature=1.2, top_k=20),
+    SamplingParams(min_p=0.05),
+    SamplingParams(temperature=0.8, top_k=50, top_p=0.95, repetition_penalty=1.3, frequency_penalty=0.5),
+]
+
+
+def test_same_seed_same_token_whatever_the_batch():
+    V = 2000
+    probe_logits = randn(len(PROBE_PARAMS), V, seed=5) * 2
+    probes = [row(p, seed=7 + i, output=[4, 5, 6]) for i, p in enumerate(PROBE_PARAMS)]
+    draws = []
+    for trial in range(4):
+        rng = random.Random(trial)
+        fillers = [row(SamplingParams(temperature=rng.choice([0.0, 0.5, 1.0]), top_k=rng.choice([0, 3, 100]),
+                                      top_p=rng.choice([1.0, 0.5]), presence_penalty=rng.choice([0.0, 1.0])),
+                       seed=rng.randrange(2**63), output=[1] * rng.randrange(5))
+                   for _ in range(rng.randrange(0, 12))]
+        filler_logits = randn(len(fillers), V, seed=100 + trial) * 3
+        order = list(range(len(probes) + len(fillers)))
+        rng.shuffle(order)
+        all_rows = probes + fillers
+        all_logits = torch.cat([probe_logits, filler_logits])
+        tokens = sample([all_rows[i] for i in order], all_logits[order]).token_ids
+        where = {j: pos for pos, j in enumerate(order)}
+        draws.append([tokens[where[j]].item() for j in range(len(probes))])
+    assert all(d == draws[0] for d in draws), draws
+
+
+def test_different_seeds_draw_differently():
+    n, V = 2000, 1000
+    logits = torch.zeros(n, V)  # uniform: distinct seeds should spread over the vocabulary
+    tokens = sample([row(seed=s) for s in range(n)], logits).token_ids
+    # Expected ~ V * (1 - exp(-n / V)) ~ 865 distinct tokens for independent draws.
+    assert len(set(tokens.tolist())) > 800
+    assert torch.bincount(tokens, minlength=V).max() < 10
+
+
+def test_step_changes_the_draw():
+    n, V = 500, 1000
+    logits = torch.zeros(n, V)
+    at_step = [sample([row(seed=s, output=[0] * step) for s in range(n)], logits).token_ids for step in range(3)]
+    for a, b in [(0, 1), (1, 2), (0, 2)]:
+        assert (at_step[a] == at_step[b]).float().mean() < 0.02
+    again = sample([row(seed=s, output=[9]) for s in range(n)], logits).token_ids  # step depends on length only
+    assert torch.equal(again, at_step[1])
+
+
+# -------------------------------------------------------------------------------- logprobs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logprobs_come_from_raw_logits(dtype):
+    V = 300
+    logits = (randn(4, V, seed=6) * 4).to(dtype)
+    rows = [
+        row(SamplingParams(temperature=0.5, top_p=0.8, repetition_penalty=1.5, logprobs=5), seed=1, output=[1, 2]),
+        row(SamplingParams(temperature=0.0, frequency_penalty=1.0, logprobs=0), output=[3, 3, 3], suppressed=[7]),
+        row(SamplingParams(temperature=1.5, top_k=10, presence_penalty=-1.0), seed=2, output=[5]),
+        row(SamplingParams(min_p=0.3, logprobs=2), seed=3),
+    ]
+    out = sample(rows, logits)
+    ref = torch.log_softmax(logits.float(), dim=-1)
+    torch.testing.assert_close(out.logprobs, ref.gather(1, out.token_ids[:, None]).squeeze(1))
+    assert out.topk_token_ids.shape == (4, 5) and out.topk_logprobs.dtype == torch.float32
+    ref_top = ref.topk(5, dim=-1)
+    torch.testing.assert_close(out.topk_logprobs, ref_top.values)
+    torch.testing.assert_close(ref.gather(1, out.topk_token_ids), ref_top.values)
+
+
+def test_logprobs_zero_gives_sampled_token_only():
+    out = sample([row(SamplingParams(logprobs=0))], randn(1, 50))
+    assert out.logprobs.shape == (1,) and out.topk_token_ids.shape == (1, 0)
+
+
+# ------------------------------------------------------------------------------ suppression
+
+
+def test_suppressed_tokens_are_never_sampled():
+    V, n = 30, 3000
+    logits = torch.zeros(n, V)
+    logits[:, :3] = 10.0  # the suppressed ones are by far the likeliest
+    logits[:, 5] = 9.0
+    params = [SamplingParams(temperature=0.0), SamplingParams(), SamplingParams(top_p=0.9), SamplingParams(top_k=5)]
+    rows = [row(params[i % 4], seed=i, suppressed=[0, 1, 2]) for i in range(n)]
+    tokens = sample(rows, logits).token_ids
+    assert not torch.isin(tokens, torch.tensor([0, 1, 2])).any()
+    assert (tokens[::4] == 5).all()  # greedy picks the best unsuppressed token
+
+
+# ------------------------------------------------------------------------------------ noise
+
+MASK64 = (1 << 64) - 1
+
+
+def py_splitmix64(z: int) -> int:
+    z &= MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
+
+
+def to_signed(u: int) -> int:
+    return u - (1 << 64) if u >= (1 << 63) else u
+
+
+def test_hash_matches_python_splitmix64():
+    values = [0, 1, 2**31, 2**62 + 12345, 2**63 - 1, -1, -(2**63), -123456789]
+    got = splitmix64(torch.tensor(values, dtype=torch.int64)).tolist()
+    assert got == [to_signed(py_splitmix64(v)) for v in values]
+
+    seeds, steps, ids = [0, 5, 2**63 - 1], [0, 3, 100], [0, 7, 151935]
+    keys = stream_keys(torch.tensor(seeds), torch.tensor(steps))
+    u = uniform_noise(keys, torch.tensor(ids)).double()
+    for r, (seed, step) in enumerate(zip(seeds, steps)):
+        key = py_splitmix64(py_splitmix64(seed) + (step + 1) * 0x9E3779B97F4A7C15)
+        assert keys[r].item() == to_signed(key)
+        for c, v in enumerate(ids):
+            k = py_splitmix64(key + (v + 1) * 0x9E3779B97F4A7C15) >> 41  # top 23 bits
+            assert u[r, c].item() == (k + 0.5) / 2**23
+
+
+def test_noise_is_uniform():
+    keys = stream_keys(torch.arange(64), torch.zeros(64, dtype=torch.int64))
+    u = uniform_noise(keys, torch.arange(4096)).flatten().double()  # 262144 draws
+    n = u.numel()
+    assert (u > 0).all() and (u < 1).all()
+    assert abs(u.mean().item() - 0.5) < 0.005
+    assert abs(u.var().item() - 1 / 12) < 0.002
+    counts = torch.histc(u, bins=64, min=0, max=1)
+    assert ((counts - n / 64).abs() < 5 * math.sqrt(n / 64)).all()  # 5 sigma per bin
+    ks = (u.sort().values - (torch.arange(n, dtype=torch.float64) + 0.5) / n).abs().max().item()
+    assert ks < 1.95 / math.sqrt(n)  # KS at the 0.1% level
+    # Neighbouring keys (consecutive seeds) and neighbouring ids are not correlated.
+    grid = uniform_noise(keys, torch.arange(4096)) - 0.5  # [64, 4096]
+    assert (grid[1:] * grid[:-1]).mean().abs() < 0.002
+    assert (grid[:, 1:] * grid[:, :-1]).mean().abs() < 0.002
+
+
+# ---------------------------------------------------------------------------------- errors
+
+
+def test_user_errors_raise_value_error():
+    meta = SamplingMetadata.build([row()], 10, CPU)
+    with pytest.raises(ValueError):
+        sampler(torch.zeros(2, 10), meta)
+    with pytest.raises(ValueError):
+        SamplingMetadata.build([row(SamplingParams(presence_penalty=1.0), output=[10])], 10, CPU)
+    with pytest.raises(ValueError):
+        SamplingMetadata.build([row(suppressed=[-1])], 10, CPU)
+    with pytest.raises(ValueError):
+        SamplingMetadata.build([row(seed=2**63)], 10, CPU)
+
+
+def test_empty_batch():
+    out = sample([], torch.zeros(0, 10))
+    assert out.token_ids.shape == (0,)
