@@ -110,7 +110,6 @@ STAT_CASES = [
     pytest.param(case, nc, id=",".join(f"{k}={v}" for k, v in case.items()) + f"-{name}")
     for case in FILTER_CASES
     for nc, name in [(NUM_CANDIDATES, "candidates"), (3, "fallback")]
-    if name == "candidates" or len(case) > 1  # temperature-only rows never use candidates
 ]
 
 

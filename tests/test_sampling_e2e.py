@@ -1,0 +1,205 @@
+"""vLLM-parity sampling through LLM.generate: seeds, n > 1, stops, min_tokens, logprobs, chat."""
+import json
+import shutil
+
+import pytest
+
+from conftest import random_prompts
+from nanoserve import LLM, SamplingParams
+from test_generate import assert_no_leak, make_llm
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+    return make_llm(tiny_model)
+
+
+def tokens(out):
+    return out.outputs[0].token_ids
+
+
+def test_top_k_1_equals_greedy(llm):
+    prompts = random_prompts(4, 5, 20, seed=1)
+    greedy = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    top1 = llm.generate(prompts, SamplingParams(temperature=1.5, top_k=1, max_tokens=16, ignore_eos=True),
+                        use_tqdm=False)
+    assert [tokens(o) for o in greedy] == [tokens(o) for o in top1]
+
+
+def test_seed_reproducible_alone_and_in_any_batch(llm):
+    prompt = random_prompts(1, 12, 12, seed=2)[0]
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=20, ignore_eos=True)
+    alone = tokens(llm.generate([prompt], seeded, use_tqdm=False)[0])
+    others = random_prompts(5, 3, 30, seed=3)
+    unseeded = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+    batch = others[:2] + [prompt] + others[2:]
+    params = [unseeded, unseeded, seeded, unseeded, unseeded, unseeded]
+    mixed = llm.generate(batch, params, use_tqdm=False)
+    assert tokens(mixed[2]) == alone
+    reordered = llm.generate([prompt] + others, [seeded] + [unseeded] * 5, use_tqdm=False)
+    assert tokens(reordered[0]) == alone
+    other_seed = SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=20, ignore_eos=True)
+    assert tokens(llm.generate([prompt], other_seed, use_tqdm=False)[0]) != alone
+
+
+def test_engine_seed_makes_unseeded_runs_reproducible(tiny_model):
+    prompts = random_prompts(3, 5, 10, seed=4)
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    a = make_llm(tiny_model, seed=7).generate(prompts, params, use_tqdm=False)
+    b = make_llm(tiny_model, seed=7).generate(prompts, params, use_tqdm=False)
+    assert [tokens(o) for o in a] == [tokens(o) for o in b]
+
+
+def test_n_samples_share_prompt_blocks(tiny_model):
+    llm = make_llm(tiny_model, kvcache_block_size=8, enable_prefix_caching=False)
+    prompt = random_prompts(1, 30, 30, seed=5)[0]  # 3 full blocks + 6 tokens
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=10, ignore_eos=True)
+    engine = llm.engine
+    engine.add_request(prompt, params)
+    engine.step()  # prefills the prompt once, samples, forks the other two samples
+    bm = engine.block_manager
+    assert bm.pool.num_blocks - bm.num_free_blocks == 4  # the prompt's blocks, not 3x them
+    parent, *children = engine.scheduler.running
+    shared = parent.block_table[:3]
+    assert all(bm.pool.blocks[b].ref_count == 3 for b in shared)
+    assert all(c.block_table == shared for c in children)
+    finished = []
+    while not engine.is_finished():
+        finished += engine.step().finished
+    (out,) = finished
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert all(len(o.token_ids) == 10 for o in out.outputs)
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+    assert_no_leak(llm)
+
+
+def test_n_greedy_samples_are_identical(llm):
+    (out,) = llm.generate([[5, 6, 7, 8]], SamplingParams(n=2, temperature=0, max_tokens=8, ignore_eos=True),
+                          use_tqdm=False)
+    assert out.outputs[0].token_ids == out.outputs[1].token_ids
+
+
+def _greedy_with_text(llm, prompt, max_tokens=24):
+    (out,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                                                   skip_special_tokens=False), use_tqdm=False)
+    return out.outputs[0]
+
+
+def test_stop_string_spanning_two_tokens(llm):
+    prompt = random_prompts(1, 8, 8, seed=6)[0]
+    full = _greedy_with_text(llm, prompt)
+    pieces = [llm.tokenizer.decode(full.token_ids[: i + 1]) for i in range(len(full.token_ids))]
+    # Find a token boundary inside the text where both neighbours contribute characters.
+    for i in range(3, len(pieces) - 1):
+        left, right = pieces[i], pieces[i + 1]
+        if len(pieces[i]) - len(pieces[i - 1]) >= 2 and len(right) - len(left) >= 2:
+            stop = left[-2:] + right[len(left): len(left) + 1]
+            break
+    else:
+        pytest.skip("no two adjacent multi-character tokens in this output")
+    cut = full.text.index(stop)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop], skip_special_tokens=False)
+    (out,) = llm.generate([prompt], params, use_tqdm=False)
+    o = out.outputs[0]
+    assert o.text == full.text[:cut]
+    assert o.finish_reason == "stop" and o.stop_reason == stop
+    params.include_stop_str_in_output = True
+    (out,) = llm.generate([prompt], params, use_tqdm=False)
+    assert out.outputs[0].text == full.text[: cut + len(stop)]
+
+
+def test_stop_token_ids(llm):
+    prompt = random_prompts(1, 8, 8, seed=8)[0]
+    full = _greedy_with_text(llm, prompt).token_ids
+    stop_id = full[5]
+    first = full.index(stop_id)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=[stop_id])
+    o = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert o.token_ids == full[: first + 1]
+    assert o.finish_reason == "stop" and o.stop_reason == stop_id
+
+
+def test_min_tokens_suppresses_stop_tokens(llm):
+    prompt = random_prompts(1, 8, 8, seed=8)[0]
+    full = _greedy_with_text(llm, prompt).token_ids
+    stop_id = full[1]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=[stop_id], min_tokens=6)
+    o = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert len(o.token_ids) >= 7 or o.finish_reason == "length"
+    assert stop_id not in o.token_ids[:6]
+    if o.finish_reason == "stop":
+        assert o.token_ids[-1] == stop_id
+
+
+@pytest.fixture(scope="module")
+def eos_model(tiny_model, tmp_path_factory, llm):
+    """The tiny model with EOS redefined as a token greedy decoding is known to produce."""
+    prompt = random_prompts(1, 8, 8, seed=9)[0]
+    full = _greedy_with_text(llm, prompt).token_ids
+    path = tmp_path_factory.mktemp("eos") / "model"
+    shutil.copytree(tiny_model, path)
+    gen = json.loads((path / "generation_config.json").read_text())
+    gen["eos_token_id"] = [full[4]]
+    (path / "generation_config.json").write_text(json.dumps(gen))
+    return str(path), prompt, full
+
+
+def test_eos_stops_unless_ignored(eos_model):
+    path, prompt, full = eos_model
+    llm = make_llm(path)
+    eos = full[4]
+    o = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0]
+    assert o.token_ids == full[: full.index(eos) + 1]
+    assert o.finish_reason == "stop" and o.stop_reason is None
+    assert o.text == llm.tokenizer.decode(o.token_ids[:-1], skip_special_tokens=True)  # EOS not in text
+    o = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)[0]
+    assert o.outputs[0].token_ids == full and o.outputs[0].finish_reason == "length"
+    o = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, min_tokens=10), use_tqdm=False)[0]
+    assert eos not in o.outputs[0].token_ids[:10]
+
+
+def test_logprobs_match_hf(tiny_model, hf, llm):
+    prompts = random_prompts(3, 5, 15, seed=10)
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True, logprobs=3)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        o = out.outputs[0]
+        ref = hf.logprobs(tiny_model, prompt, o.token_ids)  # [num_out, vocab]
+        assert len(o.logprobs) == len(o.token_ids)
+        total = 0.0
+        for step, (token, entry) in enumerate(zip(o.token_ids, o.logprobs)):
+            assert entry[token].logprob == pytest.approx(ref[step, token].item(), abs=1e-4)
+            top = ref[step].topk(3)
+            ranked = sorted((lp.rank, t) for t, lp in entry.items() if lp.rank is not None)
+            assert [t for _, t in ranked] == top.indices.tolist()
+            total += ref[step, token].item()
+        assert o.cumulative_logprob == pytest.approx(total, abs=1e-3)
+
+
+def test_default_params_come_from_generation_config(tiny_model, tmp_path):
+    path = tmp_path / "m"
+    shutil.copytree(tiny_model, path)
+    gen = json.loads((path / "generation_config.json").read_text())
+    gen.update(temperature=0.6, top_p=0.95, top_k=20)
+    (path / "generation_config.json").write_text(json.dumps(gen))
+    params = make_llm(str(path)).engine.default_sampling_params()
+    assert (params.temperature, params.top_p, params.top_k) == (0.6, 0.95, 20)
+
+
+def test_chat_applies_template(llm):
+    messages = [{"role": "user", "content": "Tell me about the fox."}]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    (out,) = llm.chat(messages, params, use_tqdm=False)
+    assert "<|im_start|>user" in out.prompt and out.prompt.rstrip().endswith("<|im_start|>assistant")
+    (plain,) = llm.generate([out.prompt_token_ids], params, use_tqdm=False)
+    assert plain.outputs[0].token_ids == out.outputs[0].token_ids
+    outs = llm.chat([messages, messages], params, use_tqdm=False, chat_template_kwargs={"enable_thinking": False})
+    assert len(outs) == 2 and "<think>" in outs[0].prompt
+
+
+def test_metrics_are_ordered(llm):
+    (out,) = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    m = out.metrics
+    assert m.arrival_time <= m.first_token_time <= m.finished_time
+    assert m.time_to_first_token >= 0 and m.time_per_output_token >= 0
+    assert m.num_generated_tokens == 6
