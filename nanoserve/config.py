@@ -12,6 +12,16 @@ ATTENTION_BACKENDS = ("auto", "torch", "flash_attn", "triton")
 WEIGHT_SUFFIXES = (".safetensors",)
 
 
+def default_block_size(device: str, attention_backend: str) -> int:
+    import torch
+
+    from nanoserve.kernels.flash_attn import flash_attn_available
+
+    on_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    wants_flash = attention_backend in ("auto", "flash_attn")
+    return 256 if on_cuda and wants_flash and flash_attn_available() else 16
+
+
 @dataclass
 class Config:
     """Every knob of the engine. `LLM(model, **kwargs)` takes these fields as kwargs."""
@@ -22,7 +32,7 @@ class Config:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None  # None = min(4096, max_position_embeddings)
-    kvcache_block_size: int = 16
+    kvcache_block_size: int | None = None  # None = 256 where flash-attn runs (its paged-KV minimum), else 16
     num_kvcache_blocks: int | None = None  # None = derived from the memory budget below
     gpu_memory_utilization: float = 0.9
     cpu_kvcache_space_gib: float = 4.0  # the CPU KV budget, like vLLM's VLLM_CPU_KVCACHE_SPACE
@@ -38,6 +48,8 @@ class Config:
     def __post_init__(self) -> None:
         self._check_model_dir()
         self._check_choices()
+        if self.kvcache_block_size is None:
+            self.kvcache_block_size = default_block_size(self.device, self.attention_backend)
         self._check_ints()
         self.hf_config = self._read_hf_config()
         arch = (self.hf_config.get("architectures") or [None])[0]
@@ -60,12 +72,7 @@ class Config:
                 f"max_model_len={self.max_model_len} when enable_chunked_prefill=False, "
                 "otherwise a long prompt could never be scheduled"
             )
-        num_kv_heads = self.hf_config.get("num_key_value_heads", self.hf_config.get("num_attention_heads"))
-        if num_kv_heads and num_kv_heads % self.tensor_parallel_size:
-            raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size} must divide "
-                f"num_key_value_heads={num_kv_heads}"
-            )
+        self._check_tensor_parallel()
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -113,6 +120,21 @@ class Config:
                 raise TypeError(f"{name} must be an int, got {value!r}")
             if value < lo:
                 raise ValueError(f"{name} must be >= {lo}, got {value}")
+
+    def _check_tensor_parallel(self) -> None:
+        """Every sharded dimension must split evenly: KV heads, query heads, MLP width."""
+        tp, cfg = self.tensor_parallel_size, self.hf_config
+        sharded = {
+            "num_key_value_heads": cfg.get("num_key_value_heads") or cfg.get("num_attention_heads"),
+            "num_attention_heads": cfg.get("num_attention_heads"),
+            "intermediate_size": cfg.get("intermediate_size"),
+        }
+        for name, value in sharded.items():
+            if value and value % tp:
+                raise ValueError(
+                    f"tensor_parallel_size={tp} must divide the checkpoint's {name}={value} "
+                    f"(each rank holds {name} / tensor_parallel_size of them)"
+                )
 
     def _read_hf_config(self) -> dict:
         with open(os.path.join(self.model, "config.json")) as f:

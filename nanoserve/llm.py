@@ -175,9 +175,8 @@ class LLM:
         self.engine.reset_prefix_cache()
 
     def close(self) -> None:
-        close = getattr(self.engine.model_runner, "close", None)
-        if close is not None:
-            close()
+        """Stop tensor-parallel workers (a no-op for a single-process engine)."""
+        self.engine.close()
 
     def __enter__(self) -> "LLM":
         return self

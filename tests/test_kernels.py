@@ -193,7 +193,7 @@ def _store_kv_case(num_tokens: int, num_kv_heads: int, head_dim: int, block_size
 
     written = torch.zeros(num_slots, dtype=torch.bool)
     written[slot_mapping[slot_mapping >= 0].long()] = True
-    untouched = (k_tri.view(num_slots, -1)[~written] == 7.0).all() and (v_tri.view(num_slots, -1)[~written] == 7.0).all()
+    untouched = all((c.view(num_slots, -1)[~written] == 7.0).all() for c in (k_tri, v_tri))
     exact = torch.equal(k_tri, k_ref) and torch.equal(v_tri, v_ref)
     return {"ok": bool(exact and untouched), "detail": f"exact={exact} untouched={bool(untouched)}"}
 
@@ -232,38 +232,64 @@ STORE_KV_CASES = {
 # (q_len, context_len) mixes: prefill from scratch (q_len == ctx), prefill on a cached prefix
 # (q_len < ctx), decode (q_len == 1); lengths cross block boundaries.
 MIXED = [(5, 5), (3, 13), (1, 9), (8, 8), (2, 33)]
+
+
+def _attn(kind: str, seqs: list[tuple[int, int]], heads: tuple[int, int], head_dim: int, block_size: int,
+          dtype: str, **extra) -> dict:
+    """One attention case; heads = (num_heads, num_kv_heads)."""
+    return dict(kind=kind, seqs=seqs, num_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim,
+                block_size=block_size, dtype=dtype, **extra)
+
+
 ATTENTION_CASES = {
     # MHA and GQA ratios 2 and 4, head_dim 16/64/128, block sizes 1/4/16/32.
-    "varlen_mha_d16_bs4_fp32": dict(kind="varlen", seqs=MIXED, num_heads=2, num_kv_heads=2, head_dim=16, block_size=4, dtype="fp32"),
-    "varlen_gqa2_d64_bs16_fp32": dict(kind="varlen", seqs=MIXED, num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype="fp32"),
-    "varlen_gqa4_d128_bs32_fp32": dict(kind="varlen", seqs=[(40, 40), (6, 70), (1, 33)], num_heads=8, num_kv_heads=2, head_dim=128, block_size=32, dtype="fp32"),
-    "varlen_gqa4_d16_bs1_fp32": dict(kind="varlen", seqs=[(4, 4), (3, 7), (1, 5)], num_heads=4, num_kv_heads=1, head_dim=16, block_size=1, dtype="fp32"),
+    "varlen_mha_d16_bs4_fp32": _attn("varlen", MIXED, (2, 2), 16, 4, "fp32"),
+    "varlen_gqa2_d64_bs16_fp32": _attn("varlen", MIXED, (4, 2), 64, 16, "fp32"),
+    "varlen_gqa4_d128_bs32_fp32": _attn("varlen", [(40, 40), (6, 70), (1, 33)], (8, 2), 128, 32, "fp32"),
+    "varlen_gqa4_d16_bs1_fp32": _attn("varlen", [(4, 4), (3, 7), (1, 5)], (4, 1), 16, 1, "fp32"),
     # Odd sizes: head_dim 80 (padded to 128), block size 6 (not a power of 2), GQA group 7.
-    "varlen_gqa7_d80_bs6_fp32": dict(kind="varlen", seqs=[(7, 7), (2, 14), (1, 6)], num_heads=7, num_kv_heads=1, head_dim=80, block_size=6, dtype="fp32"),
+    "varlen_gqa7_d80_bs6_fp32": _attn("varlen", [(7, 7), (2, 14), (1, 6)], (7, 1), 80, 6, "fp32"),
     # A prefill longer than one query tile (64 rows / group 2 = 32 tokens) and a strided q.
-    "varlen_long_prefill_strided_q_fp32": dict(kind="varlen", seqs=[(70, 70), (33, 40)], num_heads=2, num_kv_heads=1, head_dim=16, block_size=16, dtype="fp32", q_noncontiguous=True),
-    "varlen_gqa2_d64_bs16_bf16": dict(kind="varlen", seqs=MIXED, num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype="bf16"),
-    "varlen_mha_d16_bs8_fp16": dict(kind="varlen", seqs=MIXED, num_heads=2, num_kv_heads=2, head_dim=16, block_size=8, dtype="fp16"),
+    "varlen_long_prefill_strided_q_fp32": _attn("varlen", [(70, 70), (33, 40)], (2, 1), 16, 16, "fp32",
+                                                q_noncontiguous=True),
+    "varlen_gqa2_d64_bs16_bf16": _attn("varlen", MIXED, (4, 2), 64, 16, "bf16"),
+    "varlen_mha_d16_bs8_fp16": _attn("varlen", MIXED, (2, 2), 16, 8, "fp16"),
     # Decode: single pass and split-K with the merge kernel (including empty trailing splits).
-    "decode_mha_d16_bs4_fp32": dict(kind="decode", seqs=[(1, 1), (1, 9), (1, 33)], num_heads=2, num_kv_heads=2, head_dim=16, block_size=4, dtype="fp32", num_kv_splits=1),
-    "decode_gqa2_d64_bs16_split3_fp32": dict(kind="decode", seqs=[(1, 1), (1, 17), (1, 150)], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype="fp32", num_kv_splits=3),
-    "decode_gqa4_d128_bs32_fp32": dict(kind="decode", seqs=[(1, 31), (1, 65)], num_heads=8, num_kv_heads=2, head_dim=128, block_size=32, dtype="fp32"),
-    "decode_gqa7_d80_bs6_split2_fp32": dict(kind="decode", seqs=[(1, 7), (1, 40)], num_heads=7, num_kv_heads=1, head_dim=80, block_size=6, dtype="fp32", num_kv_splits=2),
-    "decode_gqa4_d16_bs1_fp32": dict(kind="decode", seqs=[(1, 3), (1, 20)], num_heads=4, num_kv_heads=1, head_dim=16, block_size=1, dtype="fp32", num_kv_splits=4),
-    "decode_gqa2_d64_bs16_split2_bf16": dict(kind="decode", seqs=[(1, 5), (1, 100)], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype="bf16", num_kv_splits=2),
+    "decode_mha_d16_bs4_fp32": _attn("decode", [(1, 1), (1, 9), (1, 33)], (2, 2), 16, 4, "fp32", num_kv_splits=1),
+    "decode_gqa2_d64_bs16_split3_fp32": _attn("decode", [(1, 1), (1, 17), (1, 150)], (4, 2), 64, 16, "fp32",
+                                              num_kv_splits=3),
+    "decode_gqa4_d128_bs32_fp32": _attn("decode", [(1, 31), (1, 65)], (8, 2), 128, 32, "fp32"),
+    "decode_gqa7_d80_bs6_split2_fp32": _attn("decode", [(1, 7), (1, 40)], (7, 1), 80, 6, "fp32", num_kv_splits=2),
+    "decode_gqa4_d16_bs1_split4_fp32": _attn("decode", [(1, 3), (1, 20)], (4, 1), 16, 1, "fp32", num_kv_splits=4),
+    "decode_gqa2_d64_bs16_split2_bf16": _attn("decode", [(1, 5), (1, 100)], (4, 2), 64, 16, "bf16",
+                                              num_kv_splits=2),
 }
 
-TRITON_CASES = {name: ("store_kv", kw) for name, kw in STORE_KV_CASES.items()}
-TRITON_CASES.update({name: ("attention", kw) for name, kw in ATTENTION_CASES.items()})
+
+
+def _rejects_bad_heads_case() -> dict:
+    from nanoserve.kernels.triton_paged_attention import paged_attention_decode_triton
+
+    b = make_paged_batch([(1, 4)], num_heads=3, num_kv_heads=2, head_dim=16, block_size=4)
+    try:
+        paged_attention_decode_triton(*decode_args(b))
+    except ValueError as e:
+        return {"ok": "multiple of num_kv_heads" in str(e), "detail": str(e)}
+    return {"ok": False, "detail": "3 query heads over 2 kv heads was accepted"}
+
+
+TRITON_CASES = {name: (_store_kv_case, kw) for name, kw in STORE_KV_CASES.items()}
+TRITON_CASES.update({name: (_attention_case, kw) for name, kw in ATTENTION_CASES.items()})
+TRITON_CASES["rejects_num_heads_not_multiple_of_kv_heads"] = (_rejects_bad_heads_case, {})
 
 
 def _run_triton_cases(names: list[str]) -> dict:
     """Child-process entry point: run the named cases, never raise, report per case."""
     results = {}
     for name in names:
-        which, kw = TRITON_CASES[name]
+        run_case, kw = TRITON_CASES[name]
         try:
-            results[name] = _store_kv_case(**kw) if which == "store_kv" else _attention_case(**kw)
+            results[name] = run_case(**kw)
         except Exception:  # report the traceback instead of losing the other cases
             results[name] = {"ok": False, "detail": traceback.format_exc(limit=5)}
     return results
@@ -277,16 +303,18 @@ def triton_results(request: pytest.FixtureRequest) -> dict:
     selected = [
         item.callspec.params["case"]
         for item in request.session.items
-        if hasattr(item, "callspec") and item.callspec.params.get("case") in TRITON_CASES
+        if getattr(item, "originalname", None) == "test_triton_kernel_matches_torch"
     ] or list(TRITON_CASES)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
+    pythonpath = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": pythonpath}
     proc = subprocess.run(
         [sys.executable, __file__, *selected], env=env, capture_output=True, text=True, timeout=600,
     )
     marker = "TRITON_RESULTS:"
     lines = [line for line in proc.stdout.splitlines() if line.startswith(marker)]
     if proc.returncode != 0 or not lines:
-        pytest.fail(f"triton child process failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        pytest.fail(f"triton child process failed (rc={proc.returncode}):\n"
+                    f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return json.loads(lines[-1][len(marker):])
 
 
@@ -294,15 +322,6 @@ def triton_results(request: pytest.FixtureRequest) -> dict:
 def test_triton_kernel_matches_torch(case: str, triton_results: dict) -> None:
     result = triton_results[case]
     assert result["ok"], f"{case}: {result['detail']}"
-
-
-def test_triton_rejects_mismatched_heads() -> None:
-    pytest.importorskip("triton")
-    from nanoserve.kernels.triton_paged_attention import paged_attention_decode_triton
-
-    b = make_paged_batch([(1, 4)], num_heads=3, num_kv_heads=2, head_dim=16, block_size=4)
-    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
-        paged_attention_decode_triton(*decode_args(b))
 
 
 def test_flash_attn_wrapper_is_lazy_and_reports_block_sizes() -> None:

@@ -1,4 +1,4 @@
-"""Sampler: greedy, filters (statistically), penalties, seeded reproducibility, logprobs, noise."""
+"""Sampler: greedy, filters (statistically), penalties, seeded reproducibility, logprobs, uniforms."""
 from __future__ import annotations
 
 import math
@@ -7,18 +7,18 @@ import random
 import pytest
 import torch
 
+import nanoserve.layers.sampler as sampler_module
 from nanoserve.layers.sampler import (
-    _RACE_SPAN,
     NUM_CANDIDATES,
     Sampler,
     SamplingMetadata,
     SamplingRow,
-    _log_exponential,
-    _race_full,
+    _draw_full,
+    _inverse_cdf,
     apply_penalties,
+    row_uniforms,
     splitmix64,
     stream_keys,
-    uniform_noise,
 )
 from nanoserve.sampling_params import SamplingParams
 
@@ -42,10 +42,11 @@ def randn(*shape, seed=0):
 # ------------------------------------------------------------------------------------- greedy
 
 
-def test_all_greedy_is_argmax():
-    logits = randn(8, 1000)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_all_greedy_is_argmax(dtype):
+    logits = randn(8, 1000).to(dtype)  # low precision: plenty of ties, which go to the lowest id
     out = sample([row(SamplingParams(temperature=0.0)) for _ in range(8)], logits)
-    assert torch.equal(out.token_ids, logits.argmax(-1))
+    assert torch.equal(out.token_ids, logits.float().argmax(-1))
     assert out.logprobs is None and out.topk_token_ids is None
 
 
@@ -130,38 +131,93 @@ def test_sampled_distribution_matches_filtered_softmax(case, num_candidates):
     assert tv < 0.02, tv
 
 
-def test_candidate_and_fallback_paths_draw_the_same_tokens():
-    # The cutoff is the same whichever way it is found, and the noise is keyed by token id.
+class PathSpy:
+    """Counts the rows each draw path gets, and records the candidate draws' arguments."""
+
+    def __init__(self, monkeypatch):
+        self.full_rows = self.candidate_rows = 0
+        self.candidate_calls = []
+        full, candidates = sampler_module._draw_full, sampler_module._draw_candidates
+
+        def spy_full(x, *args):
+            self.full_rows += x.shape[0]
+            return full(x, *args)
+
+        def spy_candidates(vals, ids, u, cutoff):
+            self.candidate_rows += vals.shape[0]
+            self.candidate_calls.append((u, cutoff))
+            return candidates(vals, ids, u, cutoff)
+
+        monkeypatch.setattr(sampler_module, "_draw_full", spy_full)
+        monkeypatch.setattr(sampler_module, "_draw_candidates", spy_candidates)
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_candidate_and_full_paths_draw_the_same_tokens(ties, monkeypatch):
+    # The cutoff is the same whichever way it is found, and both paths walk the kept weights in
+    # token-id order. With ties (logits on a 0.5 grid, as in low precision) the ties at the k-th
+    # value are kept. num_candidates=V: every row draws over its candidates (all of V); without
+    # top_k rows, num_candidates=2 sends most rows to the full sort and the full-vocabulary draw.
     V = 500
     logits = randn(64, V, seed=3) * 2
-    cases = FILTER_CASES[2:] + [dict(temperature=0.8, top_p=0.95), dict(top_k=40, min_p=0.01)]
-    rows = [row(SamplingParams(**cases[i % len(cases)]), seed=i) for i in range(64)]
-    a = sample(rows, logits).token_ids
-    b = sample(rows, logits, num_candidates=2).token_ids
-    assert torch.equal(a, b)
+    if ties:
+        logits = (logits * 2).round() / 2
+    with_k = FILTER_CASES[2:] + [dict(temperature=0.8, top_p=0.95), dict(top_k=40, min_p=0.01)]
+    without_k = [case for case in with_k if "top_k" not in case]
+    for cases in (with_k, without_k):
+        rows = [row(SamplingParams(**cases[i % len(cases)]), seed=i, output=[0] * (i % 3)) for i in range(64)]
+        spy = PathSpy(monkeypatch)
+        every_candidate = sample(rows, logits, num_candidates=V).token_ids
+        assert spy.full_rows == 0
+        default = sample(rows, logits).token_ids
+        mostly_full = sample(rows, logits, num_candidates=2).token_ids
+        assert spy.full_rows > (40 if cases is without_k else 0)
+        assert torch.equal(default, every_candidate)
+        assert torch.equal(mostly_full, every_candidate)
 
 
-def test_race_over_candidates_equals_race_over_vocabulary():
-    # Peaked rows (a few tokens far above the rest): only the top can win the race, so the sampler
-    # races over its candidates; the answer must be the unrestricted full-vocabulary race's.
+def test_candidate_draw_equals_full_vocabulary_draw(monkeypatch):
+    # Peaked rows (a few tokens far above the rest): the kept set lies inside the candidates, so
+    # the sampler draws over those; a full-vocabulary draw at the same cutoff must agree.
     n, V = 256, 5000
     logits = randn(n, V, seed=7)
     top = torch.randint(0, V, (n, 40), generator=torch.Generator().manual_seed(8))
-    logits.scatter_(1, top, 25.0 + 5 * randn(n, 40, seed=9))
-    rows = [row(seed=s, output=[0] * (s % 3)) for s in range(n)]
-    keys = stream_keys(torch.arange(n), torch.arange(n) % 3)
-    expected = _race_full(logits, keys, torch.full((n,), float("-inf")))
-    assert torch.equal(sample(rows, logits).token_ids, expected)
+    logits.scatter_(1, top, 15.0 + 3 * randn(n, 40, seed=9))
+    cases = [dict(top_p=0.9), dict(temperature=0.7, top_p=0.95), dict(top_k=20), dict(temperature=1.3, min_p=0.01),
+             dict(temperature=0.6, top_k=20, top_p=0.95)]
+    rows = [row(SamplingParams(**cases[s % len(cases)]), seed=s, output=[0] * (s % 3)) for s in range(n)]
+    spy = PathSpy(monkeypatch)
+    tokens = sample(rows, logits).token_ids
+    assert spy.full_rows == 0 and spy.candidate_rows == n
+    ((u, cutoff),) = spy.candidate_calls
+    temperature = torch.tensor([rows[s].params.temperature for s in range(n)])
+    assert torch.equal(u, row_uniforms(torch.arange(n), torch.arange(n) % 3))
+    assert torch.equal(tokens, _draw_full(logits, temperature, u, cutoff))
 
 
-def test_race_span_bounds_the_noise():
-    # -log E over the extreme uniforms must fit in _RACE_SPAN with room for rounding.
-    u = torch.tensor([2.0**-24, 1 - 2.0**-24], dtype=torch.float32)
-    neg_log_e = -u.log().neg().log()
-    assert neg_log_e.max() - neg_log_e.min() < _RACE_SPAN - 0.5
-    keys = stream_keys(torch.arange(16), torch.zeros(16, dtype=torch.int64))
-    noise = -_log_exponential(keys, torch.arange(20000))
-    assert neg_log_e.min() <= noise.min() and noise.max() <= neg_log_e.max()
+def test_batch_mate_with_a_large_top_k_does_not_change_the_draw(monkeypatch):
+    # Alone, these flat rows' nuclei run past NUM_CANDIDATES: full sort, full-vocabulary draw. A
+    # batch-mate with top_k = V - 1 makes C = V, so the same rows now draw over candidates.
+    V = 4000
+    probe_logits = randn(8, V, seed=11)
+    probes = [row(SamplingParams(temperature=0.9, top_p=0.9), seed=50 + i, output=[1] * i) for i in range(8)]
+    spy = PathSpy(monkeypatch)
+    alone = sample(probes, probe_logits).token_ids
+    assert spy.full_rows == 8
+    mate = row(SamplingParams(top_k=V - 1), seed=1)
+    spy = PathSpy(monkeypatch)
+    together = sample(probes + [mate], torch.cat([probe_logits, randn(1, V, seed=12)])).token_ids
+    assert spy.full_rows == 0
+    assert torch.equal(together[:8], alone)
+
+
+def test_inverse_cdf_never_picks_a_zero_weight_token():
+    # u at its extremes: the target stays inside the kept mass, so dropped tokens (weight 0) at
+    # either end of the row can never be picked, even where u * total rounds up to total.
+    w = torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0], [0.0, 1e-30, 1.0, 0.0], [3.0, 0.0, 0.0, 0.0]])
+    for u in (2.0**-53, 0.5, 1 - 2.0**-53):
+        idx = _inverse_cdf(w.clone(), torch.full((4,), u, dtype=torch.float64))
+        assert idx[:2].tolist() == [1, 2] and idx[2].item() in (1, 2) and idx[3].item() == 0
 
 
 # -------------------------------------------------------------------------------- penalties
@@ -217,13 +273,13 @@ PROBE_PARAMS = [
 
 
 def test_same_seed_same_token_whatever_the_batch():
-    V = 2000
+    V = 5000
     probe_logits = randn(len(PROBE_PARAMS), V, seed=5) * 2
     probes = [row(p, seed=7 + i, output=[4, 5, 6]) for i, p in enumerate(PROBE_PARAMS)]
     draws = []
     for trial in range(4):
         rng = random.Random(trial)
-        fillers = [row(SamplingParams(temperature=rng.choice([0.0, 0.5, 1.0]), top_k=rng.choice([0, 3, 100]),
+        fillers = [row(SamplingParams(temperature=rng.choice([0.0, 0.5, 1.0]), top_k=rng.choice([0, 3, 100, 3000]),
                                       top_p=rng.choice([1.0, 0.5]), presence_penalty=rng.choice([0.0, 1.0])),
                        seed=rng.randrange(2**63), output=[1] * rng.randrange(5))
                    for _ in range(rng.randrange(0, 12))]
@@ -270,7 +326,9 @@ def test_logprobs_come_from_raw_logits(dtype):
         row(SamplingParams(temperature=1.5, top_k=10, presence_penalty=-1.0), seed=2, output=[5]),
         row(SamplingParams(min_p=0.3, logprobs=2), seed=3),
     ]
+    before = logits.clone()
     out = sample(rows, logits)
+    assert torch.equal(logits, before)  # float32 input is used as is: it must not be written to
     ref = torch.log_softmax(logits.float(), dim=-1)
     torch.testing.assert_close(out.logprobs, ref.gather(1, out.token_ids[:, None]).squeeze(1))
     assert out.topk_token_ids.shape == (4, 5) and out.topk_logprobs.dtype == torch.float32
@@ -290,16 +348,16 @@ def test_logprobs_zero_gives_sampled_token_only():
 def test_suppressed_tokens_are_never_sampled():
     V, n = 30, 3000
     logits = torch.zeros(n, V)
-    logits[:, :3] = 10.0  # the suppressed ones are by far the likeliest
+    logits[:, [0, 1, 2, V - 1]] = 10.0  # the suppressed ones, at both ends of the ids, are the likeliest
     logits[:, 5] = 9.0
     params = [SamplingParams(temperature=0.0), SamplingParams(), SamplingParams(top_p=0.9), SamplingParams(top_k=5)]
-    rows = [row(params[i % 4], seed=i, suppressed=[0, 1, 2]) for i in range(n)]
+    rows = [row(params[i % 4], seed=i, suppressed=[0, 1, 2, V - 1]) for i in range(n)]
     tokens = sample(rows, logits).token_ids
-    assert not torch.isin(tokens, torch.tensor([0, 1, 2])).any()
+    assert not torch.isin(tokens, torch.tensor([0, 1, 2, V - 1])).any()
     assert (tokens[::4] == 5).all()  # greedy picks the best unsuppressed token
 
 
-# ------------------------------------------------------------------------------------ noise
+# --------------------------------------------------------------------------------- uniforms
 
 MASK64 = (1 << 64) - 1
 
@@ -320,20 +378,20 @@ def test_hash_matches_python_splitmix64():
     got = splitmix64(torch.tensor(values, dtype=torch.int64)).tolist()
     assert got == [to_signed(py_splitmix64(v)) for v in values]
 
-    seeds, steps, ids = [0, 5, 2**63 - 1], [0, 3, 100], [0, 7, 151935]
+    seeds, steps = [0, 5, 2**63 - 1], [0, 3, 100]
     keys = stream_keys(torch.tensor(seeds), torch.tensor(steps))
-    u = uniform_noise(keys, torch.tensor(ids)).double()
+    u = row_uniforms(torch.tensor(seeds), torch.tensor(steps))
+    assert u.dtype == torch.float64
     for r, (seed, step) in enumerate(zip(seeds, steps)):
         key = py_splitmix64(py_splitmix64(seed) + (step + 1) * 0x9E3779B97F4A7C15)
         assert keys[r].item() == to_signed(key)
-        for c, v in enumerate(ids):
-            k = py_splitmix64(key + (v + 1) * 0x9E3779B97F4A7C15) >> 41  # top 23 bits
-            assert u[r, c].item() == (k + 0.5) / 2**23
+        assert u[r].item() == ((key >> 12) + 0.5) / 2**52  # top 52 bits
 
 
-def test_noise_is_uniform():
-    keys = stream_keys(torch.arange(64), torch.zeros(64, dtype=torch.int64))
-    u = uniform_noise(keys, torch.arange(4096)).flatten().double()  # 262144 draws
+def test_row_uniforms_are_uniform():
+    seeds = torch.arange(512).repeat_interleave(512)
+    steps = torch.arange(512).repeat(512)
+    u = row_uniforms(seeds, steps)  # 262144 draws, one per (seed, step)
     n = u.numel()
     assert (u > 0).all() and (u < 1).all()
     assert abs(u.mean().item() - 0.5) < 0.005
@@ -342,8 +400,8 @@ def test_noise_is_uniform():
     assert ((counts - n / 64).abs() < 5 * math.sqrt(n / 64)).all()  # 5 sigma per bin
     ks = (u.sort().values - (torch.arange(n, dtype=torch.float64) + 0.5) / n).abs().max().item()
     assert ks < 1.95 / math.sqrt(n)  # KS at the 0.1% level
-    # Neighbouring keys (consecutive seeds) and neighbouring ids are not correlated.
-    grid = uniform_noise(keys, torch.arange(4096)) - 0.5  # [64, 4096]
+    # Neighbouring seeds and neighbouring steps are not correlated.
+    grid = u.view(512, 512) - 0.5  # [seed, step]
     assert (grid[1:] * grid[:-1]).mean().abs() < 0.002
     assert (grid[:, 1:] * grid[:, :-1]).mean().abs() < 0.002
 

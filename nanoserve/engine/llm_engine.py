@@ -68,7 +68,11 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.model_runner = self._make_runner()
         self.num_kvcache_blocks = self.model_runner.num_kvcache_blocks
-        self._check_kv_cache_fits()
+        try:
+            self._check_kv_cache_fits()
+        except ValueError:
+            self.close()  # TP workers must not outlive a failed start
+            raise
         self.block_manager = BlockManager(
             self.num_kvcache_blocks, config.kvcache_block_size, config.enable_prefix_caching
         )
@@ -234,6 +238,11 @@ class LLMEngine:
         )
 
     # ---- cache management ------------------------------------------------------------------
+
+    def close(self) -> None:
+        close = getattr(self.model_runner, "close", None)
+        if close is not None:
+            close()
 
     def abort_all(self) -> None:
         self.scheduler.abort_all()

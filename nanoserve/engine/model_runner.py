@@ -15,6 +15,7 @@ from nanoserve.config import Config
 from nanoserve.engine.scheduler import ScheduledBatch
 from nanoserve.engine.sequence import Sequence
 from nanoserve.layers.attention import Attention, AttentionMetadata, select_attention_backend
+from nanoserve.layers.linear import needs_fp32_gemm, use_fp32_gemm
 from nanoserve.layers.sampler import Sampler, SamplingMetadata, SamplingRow
 from nanoserve.layers.tp import tp_size
 from nanoserve.models import MODEL_REGISTRY
@@ -68,7 +69,7 @@ class ModelRunner:
         cfg = config.hf_config
         self.dtype = resolve_dtype(config.dtype, cfg, device)
         self.vocab_size = cfg["vocab_size"]
-        self.backend = select_attention_backend(device, config.attention_backend, self.block_size)
+        self.backend = select_attention_backend(device, config.attention_backend, self.block_size, self.dtype)
 
         torch.manual_seed(config.seed)
         with torch.device(device):
@@ -79,11 +80,14 @@ class ModelRunner:
             finally:
                 torch.set_default_dtype(default_dtype)
         load_weights(self.model, config.model)
+        if needs_fp32_gemm(self.dtype, device):  # CPU without bf16/fp16 dot products: see linear.py
+            use_fp32_gemm(self.model, self.dtype)
         self.model.eval()
         self.sampler = Sampler()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.num_kvcache_blocks = self._num_kvcache_blocks()
         self.kv_cache = self._allocate_kv_cache(self.num_kvcache_blocks)
+        self._cuda_graphs = None  # decode CUDA graphs (cuda_graph.py), captured at the first decode step
 
     # ---- KV cache --------------------------------------------------------------------------
 
@@ -173,8 +177,27 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inputs: ModelInputs) -> torch.Tensor | None:
         """Run the model; logits [num_sampling_rows, vocab] on rank 0 (None elsewhere)."""
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        graphs = self._graphs_for(inputs)
+        if graphs is not None:
+            hidden = graphs.run(inputs)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         return self.model.compute_logits(hidden[inputs.logits_indices])
+
+    def _graphs_for(self, inputs: ModelInputs):
+        """The decode CUDA graphs if this step can replay them (CUDA, not enforce_eager, decode only)."""
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return None
+        from nanoserve.engine import cuda_graph  # CUDA only: a CPU run never imports it
+
+        if not cuda_graph.is_decode_only(inputs):
+            return None
+        if self._cuda_graphs is None:
+            self._cuda_graphs = cuda_graph.CUDAGraphRunner(
+                self.model, self.config.max_num_seqs, self.config.max_model_len, self.block_size, self.device
+            )
+            self._cuda_graphs.capture()
+        return self._cuda_graphs if self._cuda_graphs.can_run(inputs) else None
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepOutput:

@@ -320,7 +320,9 @@ def paged_attention_varlen_triton(
     assert block_tables.stride(-1) == 1, "block_tables rows must be contiguous"
 
     block_d = _block_d(head_dim)
-    # A tile holds whole GQA groups; 64 rows keeps the K/V tile reuse high without spilling.
+    # A tile holds whole GQA groups. Tile sizes and 8 warps were picked by compiling for sm_90
+    # (bf16, ptxas -v) and keeping register use spill-free up to head_dim 128: the gathered K/V
+    # tiles carry one 64-bit pointer per element, which is what limits BLOCK_N.
     block_m = max(64, triton.next_power_of_2(group))
     block_n = 64 if block_d <= 64 else (32 if block_d <= 128 else 16)
     tokens_per_tile = block_m // group
@@ -337,8 +339,7 @@ def paged_attention_varlen_triton(
         block_tables.stride(0),
         HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, TOKENS_PER_TILE=tokens_per_tile,
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(q), DOT_FP32=_dot_fp32(q),
-        # A 64 x 256 fp32 accumulator needs 8 warps to stay in registers.
-        num_warps=8 if block_d >= 256 else 4, num_stages=2,
+        num_warps=8,
     )
     return out
 
@@ -378,7 +379,7 @@ def paged_attention_decode_triton(
         raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
     block_d = _block_d(head_dim)
     block_g = max(16, triton.next_power_of_2(group))
-    block_n = 64 if block_d <= 128 else 32
+    block_n = 64 if block_d <= 128 else 32  # spill-free with 8 warps on sm_90 (see the varlen note)
     if num_kv_splits > 1:
         # fp32 partials: normalised output and log2-sum-exp of each (sequence, head, split).
         mid_out = torch.empty(num_seqs, num_heads, num_kv_splits, block_d, dtype=torch.float32, device=q.device)
@@ -400,7 +401,7 @@ def paged_attention_decode_triton(
         num_heads,
         HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, BLOCK_G=block_g, BLOCK_N=block_n,
         NUM_SPLITS=num_kv_splits, DOT_PRECISION=_dot_precision(q), DOT_FP32=_dot_fp32(q),
-        num_warps=4, num_stages=2,
+        num_warps=8,
     )
     if num_kv_splits > 1:
         _merge_kv_splits_kernel[(num_seqs, num_heads)](

@@ -49,28 +49,32 @@ class AttentionBackend:
 TORCH_BACKEND = AttentionBackend("torch", store_kv_torch, paged_attention_varlen_torch, paged_attention_decode_torch)
 
 
-def select_attention_backend(device: torch.device, requested: str, block_size: int) -> AttentionBackend:
+def select_attention_backend(
+    device: torch.device, requested: str, block_size: int, dtype: torch.dtype
+) -> AttentionBackend:
     """Pick the backend once at startup: torch on CPU; flash-attn, else Triton, on CUDA."""
     if device.type != "cuda":
         if requested not in ("auto", "torch"):
             raise ValueError(f"attention_backend={requested!r} needs CUDA; on CPU only 'torch' runs")
         backend = TORCH_BACKEND
     else:
-        backend = _select_cuda_backend(requested, block_size)
+        backend = _select_cuda_backend(requested, block_size, dtype)
     logger.info("attention backend: %s", backend.name)
     return backend
 
 
-def _select_cuda_backend(requested: str, block_size: int) -> AttentionBackend:
+def _select_cuda_backend(requested: str, block_size: int, dtype: torch.dtype) -> AttentionBackend:
     from nanoserve.kernels import flash_attn as fa
     from nanoserve.kernels import triton_paged_attention as tpa
     from nanoserve.kernels.store_kv import store_kv_triton
 
-    flash_ok = fa.flash_attn_available() and fa.flash_attn_supports_block_size(block_size)
+    half = dtype in (torch.float16, torch.bfloat16)
+    flash_ok = fa.flash_attn_available() and fa.flash_attn_supports_block_size(block_size) and half
     if requested == "flash_attn" and not flash_ok:
         raise ValueError(
-            "attention_backend='flash_attn' needs the flash-attn package (pip install nanoserve[cuda]) and a "
-            f"kvcache_block_size it supports for paged KV; got kvcache_block_size={block_size}"
+            "attention_backend='flash_attn' needs the flash-attn package (pip install nanoserve[cuda]), "
+            f"a kvcache_block_size that is a multiple of 256 (got {block_size}) and a float16/bfloat16 "
+            f"dtype (got {dtype})"
         )
     if requested == "torch":
         return AttentionBackend("torch", store_kv_triton, paged_attention_varlen_torch, paged_attention_decode_torch)

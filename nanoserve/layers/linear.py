@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoserve.kernels.cpu import fp32_compute
 from nanoserve.layers.tp import all_reduce, divide, tp_rank, tp_size
 
 
@@ -27,7 +28,37 @@ class LinearBase(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear; when the weight was widened to float32 (see use_fp32_gemm), the GEMM runs in
+    float32 and the result is rounded back to the activations' dtype."""
+    if x.dtype == weight.dtype:
+        return F.linear(x, weight, bias)
+    return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
+
+
+def needs_fp32_gemm(dtype: torch.dtype, device: torch.device) -> bool:
+    """True on a CPU whose bf16/fp16 GEMM is slow: see nanoserve.kernels.cpu.fp32_compute."""
+    return fp32_compute(dtype, device)
+
+
+def use_fp32_gemm(model: nn.Module, dtype: torch.dtype) -> None:
+    """Widen every linear / embedding weight to float32 in place (values stay the dtype's values);
+    activations, norms and the KV cache keep `dtype`. Costs 2x the weight memory."""
+    from nanoserve.layers.embed_head import VocabParallelEmbedding
+
+    seen: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, VocabParallelEmbedding):
+            module.act_dtype = dtype
+        if not isinstance(module, (LinearBase, VocabParallelEmbedding)):
+            continue
+        for param in (module.weight, getattr(module, "bias", None)):
+            if param is not None and id(param) not in seen:  # tied weights are widened once
+                seen.add(id(param))
+                param.data = param.data.float()
 
 
 class ReplicatedLinear(LinearBase):
@@ -47,6 +78,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs stacked in one weight, e.g. gate_proj and up_proj."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+        for i, size in enumerate(output_sizes):  # each part is split on its own, so each must divide
+            divide(size, tp_size(), f"output_sizes[{i}]")
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias)
 
@@ -84,4 +117,4 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded.narrow(1, tp_rank() * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(F.linear(x, self.weight, self.bias))
+        return all_reduce(linear(x, self.weight, self.bias))

@@ -11,21 +11,21 @@ Order of operations (vLLM's):
   4. greedy rows (temperature 0, or top_k 1, which keeps the same single token) take the argmax.
   5. the other rows: logits / temperature, then top_k, top_p, min_p, then a seeded draw.
 
-Seeded draws without a torch.Generator per row: the exponential race. If E_v ~ Exp(1) are
-independent, argmax_v p_v / E_v is distributed as p, i.e. argmax_v (logit_v - log E_v) (the
-Gumbel-max form, which needs no softmax). E_v = -log(U_v) with U_v a counter-based hash of
-(seed, step, token id), so a row's draw depends only on its own seed, its step (= number of
-tokens generated so far) and its logits: not on the batch, the row's position in it, or whether
-the request was preempted and recomputed. The hash is SplitMix64 in int64 torch ops.
+Filters: each keeps the tokens whose logit is >= a per-row cutoff (ties at the cutoff are kept,
+like vLLM's top-k), so they combine into one cutoff per row, found from `torch.topk` candidates
+(a top-p nucleus wider than the candidates falls back to a full sort). Rows without any filter
+skip all of this.
 
-Every filter of step 5 keeps the tokens whose logit is >= a per-row cutoff (ties at the cutoff
-are kept, like vLLM's top-k), so the filters combine into one cutoff per row and the sorted order
-never has to be scattered back. Our noise is bounded, so a token far enough below the row's max
-can never win the race either: that is one more cutoff, exact, not an approximation. The cutoffs
-only look at the top of each row, so they come from `torch.topk` candidates, and when every token
-above the cutoff is a candidate the race runs over the candidates only. Flat rows (a top-p
-nucleus wider than the candidates, or a wide race) fall back to a full sort / a full-vocabulary
-race, for those rows only; both give the same tokens as the candidate path.
+The draw: inverse CDF with ONE uniform u per row, a counter-based hash (SplitMix64 in int64 torch
+ops) of (seed, step) only, step = number of tokens generated so far. With w = exp(x - max) on the
+kept tokens and 0 elsewhere, the token is the first whose cumulative weight exceeds u * sum(w).
+So a row's draw depends only on its seed, step and logits: not on the batch, its position in it,
+or whether the request was preempted and recomputed. The cumulative sum runs in TOKEN-ID order:
+a row whose kept tokens are all candidates draws over its candidates sorted back into id order,
+others over the whole vocabulary, and both walk the same weights in the same order (the dropped
+tokens add exact zeros), so they pick the same token. Which path a row takes can depend on its
+batch-mates (C = the largest top_k + 1); its token does not, up to float rounding at a cdf
+boundary on devices whose cumsum does not add left to right.
 """
 from __future__ import annotations
 
@@ -33,13 +33,12 @@ from dataclasses import dataclass, field
 from itertools import chain
 
 import torch
-import torch.nn.functional as F
 
 from nanoserve.sampling_params import SamplingParams
 
-# How many top logits the filters and the race look at when a row has no smaller top_k. Real
-# nuclei are almost always far smaller; rows that need more fall back to a full sort / a race
-# over the whole vocabulary, so this changes speed, never results.
+# How many top logits the filters look at when a row has no smaller top_k. Real nuclei are almost
+# always far smaller; rows that need more fall back to a full sort / a draw over the whole
+# vocabulary, so this changes speed, never results.
 NUM_CANDIDATES = 1024
 # Temperatures below this are greedy, like vLLM's _SAMPLING_EPS (logits / 1e-6 lose all precision).
 _MIN_TEMPERATURE = 1e-5
@@ -71,10 +70,11 @@ class SamplingMetadata:
 
     num_rows: int  # B
     vocab_size: int  # V
-    # --- which rows take which path (Python flags / int64 row indices into the batch) ---
+    # --- which rows take which path (Python flags / sorted int64 row indices into the batch) ---
     all_greedy: bool
     any_greedy: bool
-    sampled_rows: torch.Tensor | None  # [S] the non-greedy rows; None if S=0
+    plain_rows: torch.Tensor | None  # [P] sampled rows with temperature only (no filter); None if P=0
+    filtered_rows: torch.Tensor | None  # [F] sampled rows with top_k, top_p or min_p; None if F=0
     # --- per-row sampling parameters, [B] each (greedy rows hold neutral values) ---
     temperature: torch.Tensor  # float32; 1.0 for greedy rows so dividing is harmless
     top_k: torch.Tensor  # int64; 0 = off (values >= V are stored as 0)
@@ -83,9 +83,10 @@ class SamplingMetadata:
     seeds: torch.Tensor  # int64 in [0, 2**63)
     steps: torch.Tensor  # int64, len(output_token_ids): index of the token being sampled
     need_temperature: bool  # some sampled row has temperature != 1
-    use_top_p: bool  # some sampled row has top_p < 1
-    need_full_lse: bool  # some sampled row has top_p < 1 and no top_k: top-p needs the full softmax
-    num_candidates: int  # C, how many top logits the filters and the race look at (<= V)
+    use_top_k: bool  # some filtered row has top_k
+    use_top_p: bool  # some filtered row has top_p < 1
+    need_full_lse: bool  # some row has top_p < 1 and no top_k: top-p needs the full softmax
+    num_candidates: int  # C, how many top logits the filters look at (<= V)
     # --- penalties: None when no row uses them ---
     repetition_penalty: torch.Tensor | None  # [B] float32
     frequency_penalty: torch.Tensor | None  # [B] float32
@@ -116,12 +117,14 @@ class SamplingMetadata:
         top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
         min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
         temperature = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
-        sampled = [i for i in range(B) if not greedy[i]]
+        has_filter = [k > 0 or p < 1.0 or m > 0.0 for k, p, m in zip(top_k, top_p, min_p)]
+        plain = [i for i in range(B) if not greedy[i] and not has_filter[i]]
+        filtered = [i for i in range(B) if has_filter[i]]  # never greedy: those hold neutral values
 
         # A top-k row needs its top k + 1 logits (the extra one tells whether ties at the k-th
-        # value continue past the candidates); rows without a top_k get NUM_CANDIDATES.
-        max_k = max((top_k[i] for i in sampled), default=0)
-        needs_wide = any(top_k[i] == 0 for i in sampled)
+        # value continue past the candidates); other filtered rows get NUM_CANDIDATES.
+        max_k = max((top_k[i] for i in filtered), default=0)
+        needs_wide = any(top_k[i] == 0 for i in filtered)
         num_cands = min(V, max(max_k + 1, num_candidates if needs_wide else 0))
 
         def tensor(values, dtype):
@@ -158,7 +161,8 @@ class SamplingMetadata:
             vocab_size=V,
             all_greedy=all(greedy),
             any_greedy=any(greedy),
-            sampled_rows=tensor(sampled, torch.int64) if sampled else None,
+            plain_rows=tensor(plain, torch.int64) if plain else None,
+            filtered_rows=tensor(filtered, torch.int64) if filtered else None,
             temperature=tensor(temperature, torch.float32),
             top_k=tensor(top_k, torch.int64),
             top_p=tensor(top_p, torch.float32),
@@ -166,8 +170,9 @@ class SamplingMetadata:
             seeds=tensor([r.seed for r in rows], torch.int64),
             steps=tensor([len(r.output_token_ids) for r in rows], torch.int64),
             need_temperature=any(t != 1.0 for t in temperature),
-            use_top_p=any(top_p[i] < 1.0 for i in sampled),
-            need_full_lse=any(top_p[i] < 1.0 and top_k[i] == 0 for i in sampled),
+            use_top_k=max_k > 0,
+            use_top_p=any(top_p[i] < 1.0 for i in filtered),
+            need_full_lse=any(top_p[i] < 1.0 and top_k[i] == 0 for i in filtered),
             num_candidates=num_cands,
             repetition_penalty=tensor([p.repetition_penalty for p in params], torch.float32) if any_rep else None,
             frequency_penalty=tensor([p.frequency_penalty for p in params], torch.float32) if any_freq else None,
@@ -202,10 +207,7 @@ def _as_int64(u: int) -> int:
 _GOLDEN = _as_int64(0x9E3779B97F4A7C15)  # SplitMix64's stream increment
 _MIX1 = _as_int64(0xBF58476D1CE4E5B9)
 _MIX2 = _as_int64(0x94D049BB133111EB)
-_UNIFORM_BITS = 23  # (k + 0.5) / 2**23 is exact in float32 and lies strictly inside (0, 1)
-# So E = -log U lies in [-log(1 - 2**-24), -log(2**-24)] and -log E in [-2.82, 16.64]: a token more
-# than 19.46 below the row's max logit can never win the race. 20 leaves room for float rounding.
-_RACE_SPAN = 20.0
+_UNIFORM_BITS = 52  # (k + 0.5) / 2**52 is exact in float64 and lies strictly inside (0, 1)
 
 
 def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
@@ -227,29 +229,11 @@ def stream_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     return splitmix64(splitmix64(seeds) + (steps + 1) * _GOLDEN)
 
 
-def uniform_noise(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """U(0, 1) float32, [N, L]: output number `token_id` of a SplitMix64 stream seeded by keys[n].
-
-    keys: [N] int64; token_ids: [N, L] or [L] int64. Never exactly 0 or 1.
-    Written in place on two int64 buffers: at [256, 151936] every temporary is ~300 MB.
-    """
-    x = keys[:, None] + (token_ids + 1) * _GOLDEN  # [N, L]
-    tmp = torch.empty_like(x)
-    torch.bitwise_right_shift(x, 30, out=tmp).bitwise_and_((1 << 34) - 1)
-    x.bitwise_xor_(tmp).mul_(_MIX1)
-    torch.bitwise_right_shift(x, 27, out=tmp).bitwise_and_((1 << 37) - 1)
-    x.bitwise_xor_(tmp).mul_(_MIX2)
-    # SplitMix64 ends with x ^= x >>> 31, which leaves the top 31 bits alone: we only keep the top
-    # 23 bits k, so skip it.
-    torch.bitwise_right_shift(x, 64 - _UNIFORM_BITS, out=tmp).bitwise_and_((1 << _UNIFORM_BITS) - 1)
-    del x
-    # Explicit float32: the engine may have set a low-precision default dtype.
-    return tmp.to(torch.float32).add_(0.5).mul_(2.0**-_UNIFORM_BITS)  # (k + 0.5) / 2**23, exact
-
-
-def _log_exponential(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """log E with E = -log U ~ Exp(1), [N, L] float32; finite since U is strictly inside (0, 1)."""
-    return uniform_noise(keys, token_ids).log_().neg_().log_()
+def row_uniforms(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """[N] float64 U(0, 1), never exactly 0 or 1: the top 52 bits k of the (seed, step) key as
+    (k + 0.5) / 2**52."""
+    k = _shr(stream_keys(seeds, steps), 64 - _UNIFORM_BITS)
+    return (k.double() + 0.5) * 2.0**-_UNIFORM_BITS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,83 +258,151 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
 
 
 def _cutoffs(
-    vals: torch.Tensor,  # [N, L] the L largest logits of each row, descending (L <= V)
+    vals: torch.Tensor,  # [N, L] the L largest scaled logits of each row, descending (L <= V)
     lse: torch.Tensor | None,  # [N] logsumexp of the full rows; needed for top-p rows without top-k
     top_k: torch.Tensor,  # [N] int64, 0 = off
     top_p: torch.Tensor,  # [N] float32, 1 = off
     min_p: torch.Tensor,  # [N] float32, 0 = off
-    use_top_p: bool,
+    use_top_k: bool,  # some row has top_k (lets the common top-p-only case skip work)
+    use_top_p: bool,  # some row has top_p
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row cutoff: the tokens that top_k, then top_p, then min_p keep AND that can win the race
-    are exactly those with logit >= cutoff.
+    """Per-row cutoff: top_k, then top_p, then min_p keep exactly the tokens with logit >= cutoff.
 
     Returns (cutoff [N], exact [N] bool). exact is False for a top-p row whose answer needs more
     than the L values given (only possible when L < V): its cutoff must be recomputed.
     """
     L = vals.shape[1]
-    neg_inf = torch.tensor(float("-inf"), dtype=vals.dtype, device=vals.device)
-    floor = vals[:, 0] - _RACE_SPAN  # below this a token never wins the race, filtered or not
+    cutoff = torch.full_like(vals[:, 0], float("-inf"))
+    exact = torch.ones_like(top_k, dtype=torch.bool)
     has_k = top_k > 0
-    kth = vals.gather(1, (top_k.clamp(1, L) - 1)[:, None]).squeeze(1)  # [N] k-th largest logit
-    cutoff_k = torch.where(has_k, kth, neg_inf)
-    cutoff = torch.maximum(floor, cutoff_k)
-    exact = torch.ones_like(has_k)
+    if use_top_k:
+        kth = vals.gather(1, (top_k.clamp(1, L) - 1)[:, None]).squeeze(1)  # [N] k-th largest logit
+        cutoff = torch.where(has_k, kth, cutoff)
     if use_top_p:
         # Top-p runs on the top-k-renormalised distribution: keep a token while the probability
         # mass strictly above it is < p (vLLM's "drop the tail whose mass is <= 1 - p").
-        kept_k = vals.masked_fill(vals < cutoff_k[:, None], float("-inf"))  # [N, L]
-        z = kept_k.logsumexp(-1)
-        if lse is not None:
-            z = torch.where(has_k, z, lse)
-        probs = (kept_k - z[:, None]).exp()  # [N, L]
-        mass_above = F.pad(probs.cumsum(-1)[:, :-1], (1, 0))  # [N, L] exclusive cumsum
-        keep = (mass_above < top_p[:, None]) & (vals >= cutoff_k[:, None])  # a prefix of each row
-        n_keep = keep.sum(-1)  # [N] >= 1: position 0 always has mass_above 0 < p
+        kept_k = vals.masked_fill(vals < cutoff[:, None], float("-inf")) if use_top_k else vals
+        if lse is None:
+            z = kept_k.logsumexp(-1)
+        elif use_top_k:
+            z = torch.where(has_k, kept_k.logsumexp(-1), lse)
+        else:
+            z = lse
+        cum = (kept_k - z[:, None]).exp_().cumsum_(-1)  # [N, L] mass of tokens 0..i
+        # Token i is kept iff cum[i - 1] < p (token 0 always): cum is sorted, so count by bisection.
+        n_keep = (torch.searchsorted(cum, top_p[:, None]).squeeze(1) + 1).clamp_(max=L)  # [N]
+        if use_top_k:
+            # Tokens past the top-k carry no mass; keep them out even if rounding left cum < p.
+            n_keep = torch.minimum(n_keep, (vals >= cutoff[:, None]).sum(-1))
         last_kept = vals.gather(1, (n_keep - 1)[:, None]).squeeze(1)
         has_p = top_p < 1.0
         cutoff = torch.where(has_p, torch.maximum(cutoff, last_kept), cutoff)
-        # Exact if the nucleus ended inside the L values, or the values past them lie below the race
-        # floor anyway; and z (for top-k rows) saw every token >= the k-th value, i.e. ties at it
-        # did not run past the L values.
-        ends_inside = (n_keep < L) | (vals[:, -1] < floor)
-        k_inside = ~has_k | (kth > vals[:, -1])
-        exact = ~has_p | (ends_inside & k_inside)
+        # Exact if the nucleus ended inside the L values, and z (for top-k rows) saw every token
+        # >= the k-th value, i.e. ties at it did not run past the L values.
+        ends_inside = n_keep < L
+        if use_top_k:
+            ends_inside &= ~has_k | (kth > vals[:, -1])
+        exact = ~has_p | ends_inside
     # min_p: prob >= min_p * max prob  <=>  logit >= max logit + log(min_p); log(0) = -inf keeps all.
     cutoff = torch.maximum(cutoff, vals[:, 0] + torch.log(min_p))
     return cutoff, exact
 
 
-def _race_full(x: torch.Tensor, keys: torch.Tensor, cutoff: torch.Tensor) -> torch.Tensor:
-    """Exponential race over the whole vocabulary, tokens < cutoff [N] excluded.
-
-    x: [N, V] scaled logits -> [N] token ids.
-    """
-    token_ids = torch.arange(x.shape[1], device=x.device)
-    scores = _log_exponential(keys, token_ids)  # [N, V] log E
-    torch.sub(x, scores, out=scores)  # logit - log E; its argmax is distributed as softmax(x)
-    scores.masked_fill_(x < cutoff[:, None], float("-inf"))
-    return scores.argmax(-1)
+def _inverse_cdf(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """w: [N, L] weights >= 0 (overwritten), u: [N] float64 in (0, 1) -> [N] index i, the first
+    with w[0] + ... + w[i] > u * sum(w). That i has w[i] > 0, so zero-weight entries never win."""
+    cdf = w.cumsum_(-1)  # [N, L]
+    total = cdf[:, -1:]  # [N, 1] > 0: the row's max is always kept, with weight exp(0) = 1
+    target = (u[:, None] * total.double()).to(cdf.dtype)
+    target = torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))  # < total
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
 
-def _race_candidates(
-    vals: torch.Tensor, ids: torch.Tensor, keys: torch.Tensor, cutoff: torch.Tensor
-) -> torch.Tensor:
-    """Exponential race over candidates: vals/ids [N, C] -> [N] token ids.
+def _draw_full(x: torch.Tensor, temperature: torch.Tensor | None, u: torch.Tensor, cutoff: torch.Tensor | None):
+    """Draw over the whole vocabulary: x [N, V] logits before temperature -> [N] token ids.
+    Tokens whose scaled logit is < cutoff [N] (None: no filter) get weight 0."""
+    y = x / temperature[:, None] if temperature is not None else x.clone()  # [N, V], ours to write
+    if cutoff is not None:
+        y.masked_fill_(y < cutoff[:, None], float("-inf"))
+    y.sub_(y.amax(-1, keepdim=True)).exp_()  # weights in token-id order
+    return _inverse_cdf(y, u)
 
-    The noise is keyed by token id, so this draws exactly what _race_full would when every token
-    >= cutoff is among the candidates.
-    """
-    scores = vals - _log_exponential(keys, ids)  # [N, C]
-    scores.masked_fill_(vals < cutoff[:, None], float("-inf"))
-    return ids.gather(1, scores.argmax(-1, keepdim=True)).squeeze(1)
+
+def _draw_candidates(vals: torch.Tensor, ids: torch.Tensor, u: torch.Tensor, cutoff: torch.Tensor) -> torch.Tensor:
+    """Draw over candidates: vals/ids [N, C] (scaled logits, descending) -> [N] token ids. Sorted
+    back into token-id order, the weights are those _draw_full walks minus its zeros, so when every
+    token >= cutoff is a candidate this draws exactly what _draw_full would."""
+    order = ids.argsort(-1)  # [N, C]
+    ids, y = ids.gather(1, order), vals.gather(1, order)
+    w = (y - vals[:, :1]).masked_fill_(y < cutoff[:, None], float("-inf")).exp_()
+    return ids.gather(1, _inverse_cdf(w, u)[:, None]).squeeze(1)
+
+
+def _draw_filtered(
+    x: torch.Tensor,  # [F, V] logits, before temperature
+    temperature: torch.Tensor | None,  # [F]; None when all are 1
+    u: torch.Tensor,  # [F] float64
+    top_k: torch.Tensor,  # [F]
+    top_p: torch.Tensor,  # [F]
+    min_p: torch.Tensor,  # [F]
+    meta: SamplingMetadata,
+) -> torch.Tensor:  # [F] int64
+    V, C = x.shape[1], meta.num_candidates
+
+    def scale(t: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        # Dividing by T > 0 keeps the order, so x / T is never built for all rows: only the
+        # candidates, and the few rows that fall back to the full vocabulary, are scaled.
+        if temperature is None:
+            return t
+        return t / (temperature if rows is None else temperature[rows])[:, None]
+
+    top, ids = x.topk(C, dim=-1)  # [F, C] descending
+    vals = scale(top)
+    lse = None  # [F] logsumexp(x / T), reusing the max topk found
+    if meta.need_full_lse:
+        shifted = x - top[:, :1]  # [F, V] <= 0
+        if temperature is not None:
+            shifted.div_(temperature[:, None])
+        lse = vals[:, 0] + shifted.exp_().sum(-1).log()
+    cutoff, exact = _cutoffs(vals, lse, top_k, top_p, min_p, meta.use_top_k, meta.use_top_p)
+
+    if C < V and meta.use_top_p and not bool(exact.all()):
+        # Flat rows whose nucleus runs past the candidates: sort those rows fully.
+        r = (~exact).nonzero().squeeze(1)
+        full_vals = scale(x[r].sort(dim=-1, descending=True).values, r)  # [R, V]
+        cutoff[r] = _cutoffs(
+            full_vals, None if lse is None else lse[r], top_k[r], top_p[r], min_p[r], meta.use_top_k, True
+        )[0]
+
+    token_ids = _draw_candidates(vals, ids, u, cutoff)
+    if C < V:
+        # Rows where tokens outside the candidates pass the cutoff draw over the whole vocabulary
+        # instead: the same token, as both walk the kept weights in token-id order.
+        wide = cutoff <= vals[:, -1]
+        if bool(wide.any()):
+            w = wide.nonzero().squeeze(1)
+            token_ids[w] = _draw_full(x[w], None if temperature is None else temperature[w], u[w], cutoff[w])
+    return token_ids
+
+
+def _take(t: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
+    """t[rows] for sorted, unique rows, without copying when they are all of t."""
+    return t if t is None or rows.numel() == t.shape[0] else t[rows]
 
 
 class Sampler(torch.nn.Module):
+    """logits [B, V] (any float dtype; computed in float32) + SamplingMetadata -> SamplerOutput."""
+
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         if logits.dim() != 2 or tuple(logits.shape) != (meta.num_rows, meta.vocab_size):
             raise ValueError(
                 f"logits must be [{meta.num_rows}, {meta.vocab_size}], got {list(logits.shape)}"
             )
+        no_processing = (meta.suppressed is None and meta.repetition_penalty is None
+                         and meta.frequency_penalty is None and meta.presence_penalty is None)
+        if meta.all_greedy and no_processing and meta.max_num_logprobs is None:
+            # The common path: float32 conversion is exact and monotone, so skip it for argmax.
+            return SamplerOutput(logits.argmax(-1), None, None, None)
         raw = logits.float()  # [B, V]; may be the caller's tensor, so never written in place
 
         logits = raw
@@ -369,47 +421,18 @@ class Sampler(torch.nn.Module):
         return SamplerOutput(token_ids, logprobs, topk_ids, topk_logprobs)
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """[B, V] processed logits -> [B] int64 token ids."""
+        """[B, V] processed logits (never written to) -> [B] int64 token ids."""
         if meta.all_greedy:
             return logits.argmax(-1)  # ties go to the lowest id
-        rows = meta.sampled_rows  # [S]
-        whole = rows.numel() == meta.num_rows  # rows are sorted and unique: "all rows"
-        x = logits if whole else logits[rows]  # [S, V]
-        if meta.need_temperature:
-            x = x / meta.temperature[rows, None]
-        keys = stream_keys(meta.seeds[rows], meta.steps[rows])  # [S]
-        sampled = self._race(x, keys, meta.top_k[rows], meta.top_p[rows], meta.min_p[rows], meta)
-        if whole:
-            return sampled
-        token_ids = logits.argmax(-1)  # the greedy rows' answer; sampled rows overwritten below
-        return token_ids.index_copy_(0, rows, sampled)
-
-    def _race(
-        self,
-        x: torch.Tensor,  # [S, V] temperature-scaled logits
-        keys: torch.Tensor,  # [S] int64
-        top_k: torch.Tensor,
-        top_p: torch.Tensor,
-        min_p: torch.Tensor,
-        meta: SamplingMetadata,
-    ) -> torch.Tensor:  # [S] int64
-        V, C = x.shape[1], meta.num_candidates
-        vals, ids = x.topk(C, dim=-1)  # [S, C] descending
-        lse = x.logsumexp(-1) if meta.need_full_lse else None  # [S]
-        cutoff, exact = _cutoffs(vals, lse, top_k, top_p, min_p, meta.use_top_p)
-
-        if C < V and meta.use_top_p and not bool(exact.all()):
-            # Flat rows whose nucleus runs past the candidates: sort those rows fully.
-            r = (~exact).nonzero().squeeze(1)
-            full_vals = x[r].sort(dim=-1, descending=True).values  # [R, V]
-            cutoff[r] = _cutoffs(full_vals, None if lse is None else lse[r], top_k[r], top_p[r], min_p[r], True)[0]
-
-        token_ids = _race_candidates(vals, ids, keys, cutoff)
-        if C < V:
-            # Rows where tokens outside the candidates pass the cutoff race over the whole
-            # vocabulary instead; the noise is keyed by token id, so the draw is the same.
-            wide = cutoff <= vals[:, -1]
-            if bool(wide.any()):
-                w = wide.nonzero().squeeze(1)
-                token_ids[w] = _race_full(x[w], keys[w], cutoff[w])
+        # The greedy rows' answer; the sampled rows are overwritten below.
+        token_ids = logits.argmax(-1) if meta.any_greedy else logits.new_empty(meta.num_rows, dtype=torch.int64)
+        u = row_uniforms(meta.seeds, meta.steps)  # [B]
+        temperature = meta.temperature if meta.need_temperature else None
+        if (rows := meta.plain_rows) is not None:  # temperature only: the whole vocabulary
+            token_ids[rows] = _draw_full(_take(logits, rows), _take(temperature, rows), u[rows], None)
+        if (rows := meta.filtered_rows) is not None:
+            token_ids[rows] = _draw_filtered(
+                _take(logits, rows), _take(temperature, rows), u[rows],
+                meta.top_k[rows], meta.top_p[rows], meta.min_p[rows], meta,
+            )
         return token_ids
