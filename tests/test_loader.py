@@ -1,0 +1,47 @@
+"""Checkpoint loading: sharded safetensors, half-precision files, tied and untied heads."""
+import pytest
+import torch
+
+from conftest import random_prompts
+from nanoserve import LLM, SamplingParams
+from nanoserve.models.loader import checkpoint_files
+from nanoserve.utils.tiny_checkpoint import build_tiny_qwen3
+
+
+@pytest.mark.parametrize("dtype, tied", [("bfloat16", False), ("float16", True)])
+def test_sharded_half_precision_checkpoint_matches_hf(tmp_path, hf, dtype, tied):
+    path = build_tiny_qwen3(tmp_path / "m", seed=5, dtype=dtype, shard_size_bytes=40_000, tie_word_embeddings=tied)
+    assert len(checkpoint_files(path)) > 2
+    llm = LLM(path, device="cpu", dtype="float32", kvcache_block_size=8, num_kvcache_blocks=64, max_model_len=256)
+    prompts = random_prompts(3, 5, 20, seed=6)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf.greedy(path, prompt, 16)
+
+
+def test_weights_land_in_packed_parameters(tiny_model):
+    from safetensors.torch import load_file
+
+    llm = LLM(tiny_model, device="cpu", dtype="float32", num_kvcache_blocks=64, max_model_len=256)
+    model = llm.engine.model_runner.model
+    ref = load_file(f"{tiny_model}/model.safetensors")
+    attn = model.model.layers[1].self_attn
+    q, k, v = (ref[f"model.layers.1.self_attn.{n}_proj.weight"] for n in "qkv")
+    assert torch.equal(attn.qkv_proj.weight, torch.cat([q, k, v]))
+    mlp = model.model.layers[0].mlp
+    gate, up = (ref[f"model.layers.0.mlp.{n}_proj.weight"] for n in ("gate", "up"))
+    assert torch.equal(mlp.gate_up_proj.weight, torch.cat([gate, up]))
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied
+
+
+def test_missing_tensor_is_reported(tmp_path, tiny_model):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(tiny_model, tmp_path / "m")
+    weights = load_file(str(tmp_path / "m" / "model.safetensors"))
+    del weights["model.norm.weight"]
+    save_file(weights, str(tmp_path / "m" / "model.safetensors"))
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        LLM(str(tmp_path / "m"), device="cpu", num_kvcache_blocks=64, max_model_len=256)
