@@ -4,7 +4,7 @@
     python bench.py --compare hf                      # ... and HF transformers on the same prompts
     python bench.py --num-seqs 256 --input-len 100 1024 --output-len 100 1024   # nano-vllm's workload
     python bench.py --workload shared-prefix          # prefix caching on vs off
-    python bench.py --workload mixed                  # p99 TPOT with chunked prefill on vs off
+    python bench.py --workload mixed                  # TPOT / inter-token p99, chunked prefill on vs off
     python bench.py --model ~/Qwen3-0.6B --json out.json
 
 Workloads follow nano-vllm's bench.py: random token-id prompts, input and output lengths drawn
@@ -37,12 +37,12 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.utils.tiny_checkpoint import QWEN3_0_6B, ensure_tiny_qwen3
 
 DEFAULT_MODEL_NAME = "qwen3-0.6b-random"
-TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 # Per-workload defaults; every value can be overridden from the command line.
 PRESETS = {
-    # Sized to finish in a few minutes on 2 CPU cores.
-    "random": dict(num_seqs=16, input_len=(64, 256), output_len=(64, 256)),
+    # Sized so `--compare hf` finishes in about five minutes on 2 AVX2 cores, where HF's bf16 GEMMs
+    # run at ~20 GFLOP/s. A longer CPU workload: --input-len 64 256 --output-len 64 256.
+    "random": dict(num_seqs=16, input_len=(32, 64), output_len=(32, 64)),
     # Many requests share one long system prompt; their own tails and outputs are short.
     "shared-prefix": dict(num_seqs=16, input_len=(16, 64), output_len=(16, 32), prefix_len=512),
     # Short prompts decode while long prompts arrive one by one.
@@ -74,7 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     m = p.add_argument_group("model and machine")
     m.add_argument("--model", help="HF-format Qwen3 checkpoint dir (default: random-weight Qwen3-0.6B, cached)")
-    m.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
+    m.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
     m.add_argument("--dtype", default="bfloat16", choices=["auto", "bfloat16", "float16", "float32"])
     m.add_argument("--threads", type=int, help="torch.set_num_threads for both engines (default: torch's)")
 
@@ -82,7 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     e.add_argument("--max-num-seqs", type=int)
     e.add_argument("--max-num-batched-tokens", type=int)
     e.add_argument("--max-model-len", type=int, help="default: longest prompt + longest output")
-    e.add_argument("--block-size", type=int, default=16, help="kvcache_block_size")
+    e.add_argument("--block-size", type=int, help="kvcache_block_size (default: the engine's)")
     e.add_argument("--num-kvcache-blocks", type=int)
     e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--no-chunked-prefill", action="store_true")
@@ -108,6 +108,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} needs 1 <= MIN <= MAX, got {rng}")
     if args.num_seqs < 1:
         p.error("--num-seqs must be >= 1")
+    if args.compare and args.workload != "random":
+        p.error("--compare hf runs with --workload random (the other workloads compare nanoserve settings)")
     return args
 
 
@@ -119,7 +121,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 class Request:
     prompt: list[int]
     max_tokens: int
-    arrival: int = 0  # mixed workload: short-request progress (tokens) at which it arrives
+    # 0: present from the start. k > 0: added once every request present from the start has made
+    # k output tokens (or finished); the mixed and shared-prefix workloads use it.
+    arrival: int = 0
 
 
 def random_tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -134,9 +138,12 @@ def make_requests(args: argparse.Namespace, vocab: int) -> list[Request]:
         return [Request(random_tokens(rng, lens(args.input_len), vocab), lens(args.output_len))
                 for _ in range(args.num_seqs)]
     if args.workload == "shared-prefix":
+        # The first request arrives alone (a system prompt the server has seen before); the rest
+        # arrive once it has its first token, so caching can serve their prefix. Requests that all
+        # arrive in the same step would each compute the prefix: nothing is cached yet.
         prefix = random_tokens(rng, args.prefix_len, vocab)
-        return [Request(prefix + random_tokens(rng, lens(args.input_len), vocab), lens(args.output_len))
-                for _ in range(args.num_seqs)]
+        return [Request(prefix + random_tokens(rng, lens(args.input_len), vocab), lens(args.output_len),
+                        arrival=0 if i == 0 else 1) for i in range(args.num_seqs)]
     # mixed: short requests from the start, then long prompts every `long_every` tokens of progress.
     short = [Request(random_tokens(rng, lens(args.input_len), vocab), lens(args.output_len))
              for _ in range(args.num_seqs)]
@@ -191,11 +198,11 @@ class ModelShape:
         return flops
 
 
-def _time_linear(x: torch.Tensor, w: torch.Tensor, min_time: float = 0.2) -> float:
-    F.linear(x, w)
+def _time_call(fn, min_time: float = 0.2) -> float:
+    fn()
     n, start = 0, time.perf_counter()
     while True:
-        F.linear(x, w)
+        fn()
         n += 1
         elapsed = time.perf_counter() - start
         if elapsed > min_time and n >= 3:
@@ -204,28 +211,43 @@ def _time_linear(x: torch.Tensor, w: torch.Tensor, min_time: float = 0.2) -> flo
 
 @torch.inference_mode()
 def measure_matmul_peak(shape: ModelShape, dtype: torch.dtype, device: torch.device, rows: int = 256) -> dict:
-    """FLOP/s of `F.linear` at the model's projection shapes with `rows` tokens.
+    """FLOP/s of a GEMM at the model's projection shapes with `rows` tokens, per path.
 
-    On a CPU without native bf16/fp16 dot products the fastest GEMM for low-precision operands
-    is fp32 on their (exactly representable) values, so that path is measured too and the
-    peak is the best of the two: the roofline is what this machine can do for this model.
+    Paths: torch.mm in the model dtype; on CPU also torch.mm in float32 on the dtype's values (a
+    CPU without bf16/fp16 dot products runs those much faster in float32), the oneDNN prepacked
+    float32 GEMM nanoserve's CPU linears use, and for decode-sized batches its skinny bf16-weight
+    GEMM. The peak is the best path: the roofline is what this machine reaches for this model,
+    not what one library reaches.
     """
-    variants = {"native": dtype}
-    if device.type == "cpu" and dtype != torch.float32:
-        variants["fp32_gemm"] = torch.float32
+    try:
+        from nanoserve.kernels.cpu import CPUWeight
+    except ImportError:  # an older nanoserve
+        CPUWeight = None
+
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    weights = [torch.randn(n, k, device=device).to(dtype) for k, n in shape.linear_shapes()]
+    inputs = [torch.randn(rows, k, device=device).to(dtype) for k, _ in shape.linear_shapes()]
+    paths = {f"torch.mm {str(dtype).removeprefix('torch.')}": [(lambda x=x, w=w: F.linear(x, w))
+                                                               for x, w in zip(inputs, weights)]}
+    if device.type == "cpu":
+        if dtype != torch.float32:
+            paths["torch.mm float32"] = [(lambda x=x.float(), w=w.float(): F.linear(x, w))
+                                         for x, w in zip(inputs, weights)]
+        if CPUWeight is not None and torch.backends.mkldnn.is_available():
+            paths["oneDNN packed float32"] = [(lambda x=x, cw=CPUWeight(w.float()): cw(x.float()))
+                                              for x, w in zip(inputs, weights)]
+        if CPUWeight is not None and dtype == torch.bfloat16 and rows <= 16:
+            from nanoserve.kernels import cpu_kernels
+
+            if cpu_kernels.skinny_gemm(inputs[0].float(), weights[0]) is not None:
+                paths["skinny bf16-weight (C)"] = [(lambda x=x.float(), w=w: cpu_kernels.skinny_gemm(x, w))
+                                                   for x, w in zip(inputs, weights)]
+    flops = sum(2 * rows * k * n for k, n in shape.linear_shapes())
     out = {}
-    for name, compute_dtype in variants.items():
-        total_flops = total_time = 0.0
-        for k, n in shape.linear_shapes():
-            x = torch.randn(rows, k, device=device).to(dtype).to(compute_dtype)
-            w = torch.randn(n, k, device=device).to(dtype).to(compute_dtype)
-            sync()
-            t = _time_linear(x, w)
-            sync()
-            total_flops += 2 * rows * k * n
-            total_time += t
-        out[name] = total_flops / total_time
+    for name, calls in paths.items():
+        sync()
+        # Best of two passes: a peak, so a pass slowed by anything else running must not set it.
+        out[name] = max(flops / sum(_time_call(lambda: (call(), sync())) for call in calls) for _ in range(2))
     best = max(out, key=out.get)
     return {"rows": rows, "per_path_flops": out, "best_path": best, "peak_flops": out[best]}
 
@@ -307,15 +329,15 @@ def make_llm(args: argparse.Namespace, requests: list[Request], **overrides) -> 
         device=args.device,
         dtype=args.dtype,
         max_model_len=max_model_len,
-        kvcache_block_size=args.block_size,
         enable_prefix_caching=not args.no_prefix_caching,
         enable_chunked_prefill=not args.no_chunked_prefill,
         enforce_eager=args.enforce_eager,
         seed=args.seed,
     )
-    for key in ("max_num_seqs", "max_num_batched_tokens", "num_kvcache_blocks"):
-        if getattr(args, key) is not None:
-            kwargs[key] = getattr(args, key)
+    for key, arg in (("max_num_seqs", "max_num_seqs"), ("max_num_batched_tokens", "max_num_batched_tokens"),
+                     ("num_kvcache_blocks", "num_kvcache_blocks"), ("kvcache_block_size", "block_size")):
+        if getattr(args, arg) is not None:
+            kwargs[key] = getattr(args, arg)
     if not kwargs["enable_chunked_prefill"]:
         kwargs["max_num_batched_tokens"] = max(kwargs.get("max_num_batched_tokens", 0), max_model_len)
     kwargs.update(overrides)
@@ -519,15 +541,15 @@ def run_hf_continuous_batching(model, requests: list[Request], args: argparse.Na
     """HF's continuous batching manager (paged KV cache), one request per prompt with its own length."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
-    page = args.block_size
+    page = args.block_size or ContinuousBatchingConfig().page_size
     longest = max(len(r.prompt) + r.max_tokens for r in requests)
-    blocks_per_req = -(-longest // page)
     cb_config = ContinuousBatchingConfig(
         page_size=page,
-        num_blocks=blocks_per_req * len(requests) + 1,
+        # Sized to the workload: left alone, HF sizes its cache from free memory (slow on CPU).
+        num_blocks=-(-longest // page) * len(requests) + 1,
+        # 512 was HF's fastest token budget on 2 CPU cores (256: same, 2048: 14% slower).
         max_batch_tokens=args.max_num_batched_tokens or 512,
         max_requests_per_batch=min(args.max_num_seqs or len(requests), len(requests)),
-        allow_block_sharing=False,
         seed=args.seed,
     )
     gen_config = GenerationConfig(eos_token_id=-1, pad_token_id=model.generation_config.pad_token_id,
@@ -627,6 +649,22 @@ def print_run(res: RunResult, peak: float | None = None) -> None:
         print(line)
 
 
+def cpu_idle_fraction(seconds: float = 1.0) -> float | None:
+    """Share of all CPUs' time spent idle over `seconds` (Linux /proc/stat), or None elsewhere."""
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+        return fields[3] + fields[4], sum(fields)  # idle + iowait, total
+
+    try:
+        idle0, total0 = sample()
+        time.sleep(seconds)
+        idle1, total1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    return (idle1 - idle0) / max(total1 - total0, 1)
+
+
 def machine_info(device: torch.device) -> dict:
     info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "device": str(device),
@@ -637,6 +675,9 @@ def machine_info(device: torch.device) -> dict:
     except (OSError, StopIteration):
         info["cpu"] = platform.processor()
     info["cpu_count"] = os.cpu_count()
+    idle = cpu_idle_fraction()
+    if idle is not None:  # other work on the machine skews CPU timings: keep it on record
+        info["cpu_idle_before_run"] = idle
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     try:
@@ -659,8 +700,13 @@ def bench_random(args, requests, report: dict) -> None:
     roof = measure_matmul_peak(shape, dtype, device)
     report["matmul_peak"] = roof
     peak = roof["peak_flops"]
-    print(f"matmul peak at the model's shapes ({roof['rows']} rows, {dtype}): " + ", ".join(
-        f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in roof["per_path_flops"].items()))
+    print(f"matmul peak at the model's shapes, {roof['rows']} rows: " + ", ".join(
+        f"{k} {v / 1e9:.1f}" for k, v in roof["per_path_flops"].items()) + f" GFLOP/s -> peak {peak / 1e9:.1f}")
+    decode_rows = min(args.num_seqs, args.max_num_seqs or args.num_seqs)
+    roof_decode = measure_matmul_peak(shape, dtype, device, rows=decode_rows)
+    report["matmul_at_decode_rows"] = roof_decode
+    print(f"  at {decode_rows} rows (a full decode batch): " + ", ".join(
+        f"{k} {v / 1e9:.1f}" for k, v in roof_decode["per_path_flops"].items()) + " GFLOP/s")
     flops_per_out = shape.linear_flops_per_token + shape.lm_head_flops
     print(f"compute limit ~{peak / flops_per_out:.0f} tok/s (decode tokens, {flops_per_out / 1e9:.2f} GFLOP each)")
 
@@ -752,10 +798,18 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"workload {args.workload}: {len(requests)} requests, {sum(len(r.prompt) for r in requests)} prompt "
           f"tokens, {sum(r.max_tokens for r in requests)} output tokens; model {args.model}; {args.dtype} on "
           f"{device}, {torch.get_num_threads()} threads", flush=True)
+    machine = report["machine"]
+    print(f"machine: {machine['cpu']} ({machine['cpu_count']} CPUs, {machine['cpu_capability']})"
+          + (f", {machine['gpu']}" if "gpu" in machine else "")
+          + (f"; CPUs {machine['cpu_idle_before_run']:.0%} idle before the run" if "cpu_idle_before_run" in machine
+             else ""), flush=True)
 
     {"random": bench_random, "shared-prefix": bench_shared_prefix, "mixed": bench_mixed}[args.workload](
         args, requests, report)
 
+    if hasattr(os, "getloadavg"):  # includes this run itself: ~threads when nothing else ran
+        report["machine"]["load_average_end"] = os.getloadavg()
+        print(f"load average (1/5/15 min) at the end: " + " / ".join(f"{v:.2f}" for v in os.getloadavg()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2, default=str)

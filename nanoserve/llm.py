@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence as SequenceABC
+from numbers import Integral
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -98,7 +99,7 @@ class LLM:
             raise TypeError(f"prompts must be a str, a list of str, or token ids; got {type(prompts).__name__}")
         if not prompts:
             raise ValueError("prompts is empty")
-        if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+        if all(isinstance(p, Integral) and not isinstance(p, bool) for p in prompts):
             return [list(prompts)]  # one prompt given as token ids
         return list(prompts)
 
@@ -115,7 +116,9 @@ class LLM:
             if isinstance(prompt, str):
                 out.append((prompt, self.tokenizer.encode(prompt)))
             elif isinstance(prompt, (list, tuple)):
-                out.append((None, list(prompt)))
+                if not all(isinstance(t, Integral) and not isinstance(t, bool) for t in prompt):
+                    raise TypeError(f"prompt {i} must hold int token ids, got {prompt[:5]!r}...")
+                out.append((None, [int(t) for t in prompt]))
             else:
                 raise TypeError(f"prompt {i} must be a str or a list of token ids, got {type(prompt).__name__}")
         return out

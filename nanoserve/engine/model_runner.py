@@ -15,7 +15,8 @@ from nanoserve.config import Config
 from nanoserve.engine.scheduler import ScheduledBatch
 from nanoserve.engine.sequence import Sequence
 from nanoserve.layers.attention import Attention, AttentionMetadata, select_attention_backend
-from nanoserve.layers.linear import needs_fp32_gemm, use_fp32_gemm
+from nanoserve.kernels.cpu import use_cpu_gemm
+from nanoserve.layers.linear import prepare_cpu_gemm
 from nanoserve.layers.sampler import Sampler, SamplingMetadata, SamplingRow
 from nanoserve.layers.tp import tp_size
 from nanoserve.models import MODEL_REGISTRY
@@ -80,8 +81,8 @@ class ModelRunner:
             finally:
                 torch.set_default_dtype(default_dtype)
         load_weights(self.model, config.model)
-        if needs_fp32_gemm(self.dtype, device):  # CPU without bf16/fp16 dot products: see linear.py
-            use_fp32_gemm(self.model, self.dtype)
+        if use_cpu_gemm(self.dtype, device):  # oneDNN / skinny bf16 GEMMs on CPU: see kernels/cpu.py
+            prepare_cpu_gemm(self.model)
         self.model.eval()
         self.sampler = Sampler()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]

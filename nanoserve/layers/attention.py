@@ -52,15 +52,24 @@ TORCH_BACKEND = AttentionBackend("torch", store_kv_torch, paged_attention_varlen
 def select_attention_backend(
     device: torch.device, requested: str, block_size: int, dtype: torch.dtype
 ) -> AttentionBackend:
-    """Pick the backend once at startup: torch on CPU; flash-attn, else Triton, on CUDA."""
+    """Pick the backend once at startup: the C kernel (else torch) on CPU; flash-attn, else Triton, on CUDA."""
     if device.type != "cuda":
         if requested not in ("auto", "torch"):
             raise ValueError(f"attention_backend={requested!r} needs CUDA; on CPU only 'torch' runs")
-        backend = TORCH_BACKEND
+        backend = _select_cpu_backend(requested, dtype)
     else:
         backend = _select_cuda_backend(requested, block_size, dtype)
     logger.info("attention backend: %s", backend.name)
     return backend
+
+
+def _select_cpu_backend(requested: str, dtype: torch.dtype) -> AttentionBackend:
+    """auto: the C kernel (kernels/cpu_attention.c, built on first use) where it builds; else torch."""
+    from nanoserve.kernels import cpu_attention as ca
+
+    if requested == "auto" and ca.supports(dtype) and ca.available():
+        return AttentionBackend("cpu", store_kv_torch, ca.paged_attention_varlen_cpu, ca.paged_attention_decode_cpu)
+    return TORCH_BACKEND
 
 
 def _select_cuda_backend(requested: str, block_size: int, dtype: torch.dtype) -> AttentionBackend:

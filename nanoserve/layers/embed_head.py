@@ -18,7 +18,6 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = tp_rank() * self.shard_size
         self.weight = nn.Parameter(torch.empty(self.shard_size, hidden_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
-        self.act_dtype: torch.dtype | None = None  # set when the weight is widened for an fp32 GEMM
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         rows = loaded[self.vocab_start : self.vocab_start + self.shard_size]
@@ -27,20 +26,18 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if tp_size() == 1:
-            return self._lookup(input_ids)
+            return F.embedding(input_ids, self.weight)
         local = input_ids - self.vocab_start
         mine = (local >= 0) & (local < self.shard_size)
-        out = self._lookup(local.clamp(0, self.shard_size - 1)) * mine.unsqueeze(-1)
+        out = F.embedding(local.clamp(0, self.shard_size - 1), self.weight) * mine.unsqueeze(-1)
         return all_reduce(out)
-
-    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        out = F.embedding(ids, self.weight)
-        return out if self.act_dtype is None else out.to(self.act_dtype)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
+    cpu_weight = None  # set by prepare_cpu_gemm on CPU (see kernels/cpu.py)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits for the rows given ([num_rows, vocab]) on rank 0; None on other ranks."""
-        logits = linear(hidden, self.weight)  # [num_rows, shard_size]
+        logits = linear(hidden, self.weight, None, self.cpu_weight)  # [num_rows, shard_size]
         logits = gather_last_dim_to_rank0(logits)
         return logits[:, : self.vocab_size] if logits is not None else None

@@ -1,6 +1,8 @@
 import torch
 from torch import nn
 
+from nanoserve.kernels import cpu_kernels
+
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32; with `residual`, adds it first and returns the new residual."""
@@ -19,6 +21,10 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if x.device.type == "cpu":  # bf16 on CPU: one fused C kernel instead of ~8 ops
+            fused = cpu_kernels.rms_norm(x, self.weight, self.eps, residual)
+            if fused is not None:
+                return fused
         if residual is None:
             return self._norm(x)
         residual = x + residual

@@ -9,11 +9,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoserve.kernels.cpu import fp32_compute
+from nanoserve.kernels.cpu import CPUWeight
 from nanoserve.layers.tp import all_reduce, divide, tp_rank, tp_size
 
 
 class LinearBase(nn.Module):
+    # Set by prepare_cpu_gemm on CPU: the weight as the CPU GEMMs want it (see kernels/cpu.py).
+    cpu_weight: CPUWeight | None = None
+
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
@@ -28,37 +31,25 @@ class LinearBase(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.cpu_weight)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; when the weight was widened to float32 (see use_fp32_gemm), the GEMM runs in
-    float32 and the result is rounded back to the activations' dtype."""
-    if x.dtype == weight.dtype:
-        return F.linear(x, weight, bias)
-    return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, cpu_weight: CPUWeight | None = None
+) -> torch.Tensor:
+    return cpu_weight(x) if cpu_weight is not None else F.linear(x, weight, bias)
 
 
-def needs_fp32_gemm(dtype: torch.dtype, device: torch.device) -> bool:
-    """True on a CPU whose bf16/fp16 GEMM is slow: see nanoserve.kernels.cpu.fp32_compute."""
-    return fp32_compute(dtype, device)
+def prepare_cpu_gemm(model: nn.Module) -> None:
+    """Give every linear layer and the LM head a CPUWeight (see nanoserve.kernels.cpu).
 
+    Their parameters stay as loaded; the float32 copies cost 4 bytes per weight on top.
+    """
+    from nanoserve.layers.embed_head import ParallelLMHead
 
-def use_fp32_gemm(model: nn.Module, dtype: torch.dtype) -> None:
-    """Widen every linear / embedding weight to float32 in place (values stay the dtype's values);
-    activations, norms and the KV cache keep `dtype`. Costs 2x the weight memory."""
-    from nanoserve.layers.embed_head import VocabParallelEmbedding
-
-    seen: set[int] = set()
     for module in model.modules():
-        if isinstance(module, VocabParallelEmbedding):
-            module.act_dtype = dtype
-        if not isinstance(module, (LinearBase, VocabParallelEmbedding)):
-            continue
-        for param in (module.weight, getattr(module, "bias", None)):
-            if param is not None and id(param) not in seen:  # tied weights are widened once
-                seen.add(id(param))
-                param.data = param.data.float()
+        if isinstance(module, (LinearBase, ParallelLMHead)):
+            module.cpu_weight = CPUWeight(module.weight, getattr(module, "bias", None))
 
 
 class ReplicatedLinear(LinearBase):
@@ -117,4 +108,4 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded.narrow(1, tp_rank() * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(linear(x, self.weight, self.bias))
+        return all_reduce(linear(x, self.weight, self.bias, self.cpu_weight))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nanoserve.kernels import cpu_kernels
 from nanoserve.layers.activation import SiluAndMul
 from nanoserve.layers.attention import Attention, AttentionMetadata
 from nanoserve.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
@@ -36,10 +37,17 @@ class Qwen3Attention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = self.q_norm(q.unflatten(-1, (self.num_heads, self.head_dim)))  # [num_tokens, num_heads, head_dim]
-        k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, self.head_dim)))  # [num_tokens, num_kv_heads, head_dim]
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
-        q, k = self.rotary_emb(positions, q, k)
+        fused = None
+        if x.device.type == "cpu" and self.q_norm.eps == self.k_norm.eps:  # bf16 on CPU: one C kernel
+            fused = cpu_kernels.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                             positions, self.rotary_emb.cos_sin, self.head_dim)
+        if fused is not None:
+            q, k = fused
+        else:
+            q = self.q_norm(q.unflatten(-1, (self.num_heads, self.head_dim)))  # [num_tokens, num_heads, head_dim]
+            k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, self.head_dim)))  # [num_tokens, num_kv_heads, head_dim]
+            q, k = self.rotary_emb(positions, q, k)
         out = self.attn(q, k, v, meta)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(out.flatten(1))
 

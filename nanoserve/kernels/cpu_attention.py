@@ -1,0 +1,162 @@
+"""CPU paged attention with the torch backends' signatures: the C kernels of cpu_kernels.c.
+
+Decode always runs the C kernel; varlen (prefill, chunks) runs it for short query runs and SDPA
+per sequence for long ones, where SDPA's blocked GEMMs win.
+NANOSERVE_CPU_ATTENTION=torch keeps the PyTorch path for attention only.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from nanoserve.kernels import cpu_kernels
+
+# Measured on a 2-core AVX2 CPU: from ~64 query tokens per sequence SDPA on the gathered copy wins.
+VARLEN_MAX_Q = 32
+TILE = 32  # query tokens per prefill work item: each K/V row widened once serves TILE * G query rows
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _load():
+    return cpu_kernels.load()
+
+
+def available() -> bool:
+    return os.environ.get("NANOSERVE_CPU_ATTENTION", "auto") != "torch" and _load() is not None
+
+
+def supports(dtype: torch.dtype) -> bool:
+    return dtype in _DTYPE_CODES
+
+
+# One entry per kind: the tiles of the step being run, reused by every layer. The cache holds the
+# metadata tensors it was built from, so `is` identifies the same step (their ids cannot be reused
+# while they are referenced here).
+_tile_cache: dict[str, tuple] = {}
+
+
+def _varlen_tiles(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor) -> tuple:
+    hit = _tile_cache.get("varlen")
+    if hit is not None and hit[0] is cu_seqlens_q and hit[1] is context_lens:
+        return hit[2]
+    cu = cu_seqlens_q.long()
+    q_lens = cu[1:] - cu[:-1]
+    num_tiles = (q_lens + TILE - 1) // TILE
+    seq = torch.repeat_interleave(torch.arange(q_lens.shape[0]), num_tiles)
+    first_tile = torch.cumsum(num_tiles, 0) - num_tiles
+    k = torch.arange(seq.shape[0]) - first_tile[seq]  # tile index within its sequence
+    start = cu[:-1][seq] + k * TILE
+    length = torch.minimum(q_lens[seq] - k * TILE, torch.tensor(TILE))
+    nkeys0 = (context_lens.long() - q_lens)[seq] + k * TILE + 1
+    max_keys = int((nkeys0 + length - 1).max()) if seq.numel() else 0
+    tiles = (seq.int(), start.int(), length.int(), nkeys0.int(), seq.shape[0], TILE, max_keys)
+    _tile_cache["varlen"] = (cu_seqlens_q, context_lens, tiles)
+    return tiles
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.dtype != v_cache.dtype:
+        raise ValueError("the CPU attention kernel needs contiguous K/V cache views of one dtype")
+
+
+def _run(q, k_cache, v_cache, block_tables, tiles, scale) -> torch.Tensor:
+    lib = _load()
+    seq, start, length, nkeys0, num_tiles, max_tile_len, max_keys = tiles
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    _check_cache(k_cache, v_cache)
+    qf = q.to(torch.float32).contiguous()
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)
+    if num_tiles == 0:
+        return out.to(q.dtype)
+    bt = block_tables.to(torch.int32).contiguous()
+    with torch.profiler.record_function("nanoserve::cpu_paged_attention_varlen"):
+        err = lib.paged_attention_f32(
+            qf.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _DTYPE_CODES[k_cache.dtype],
+            bt.data_ptr(), bt.shape[1], seq.data_ptr(), start.data_ptr(), length.data_ptr(), nkeys0.data_ptr(),
+            num_tiles, max_tile_len, max_keys, num_heads, num_kv_heads, head_dim, block_size, scale,
+            torch.get_num_threads(),
+        )
+    if err:
+        raise MemoryError("the CPU attention kernel could not allocate its scratch buffers")
+    return out.to(q.dtype)
+
+
+def paged_attention_decode_cpu(
+    q: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    context_lens: torch.Tensor,  # [num_seqs]
+    max_context_len: int,
+    scale: float,
+) -> torch.Tensor:
+    lib = _load()
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    _check_cache(k_cache, v_cache)
+    qf = q.to(torch.float32).contiguous()
+    out = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float32)
+    if num_seqs == 0:
+        return out.to(q.dtype)
+    threads = torch.get_num_threads()
+    # Whole rows of KV heads per work item (contiguous reads) unless that leaves threads idle.
+    kv_per_item = num_kv_heads
+    while kv_per_item > 1 and num_seqs * (num_kv_heads // kv_per_item) < 2 * threads:
+        kv_per_item = next(d for d in range(kv_per_item - 1, 0, -1) if num_kv_heads % d == 0)
+    bt = block_tables.to(torch.int32).contiguous()
+    lens = context_lens.to(torch.int32).contiguous()
+    with torch.profiler.record_function("nanoserve::cpu_paged_attention_decode"):
+        err = lib.paged_decode_f32(
+            qf.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _DTYPE_CODES[k_cache.dtype],
+            bt.data_ptr(), bt.shape[1], lens.data_ptr(), num_seqs, max_context_len, num_heads, num_kv_heads,
+            head_dim, block_size, kv_per_item, scale, threads,
+        )
+    if err:
+        raise MemoryError("the CPU attention kernel could not allocate its scratch buffers")
+    return out.to(q.dtype)
+
+
+def paged_attention_varlen_cpu(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1]
+    context_lens: torch.Tensor,  # [num_seqs]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks]
+    max_seqlen_q: int,
+    max_context_len: int,
+    scale: float,
+) -> torch.Tensor:
+    if max_seqlen_q > VARLEN_MAX_Q:  # long query runs: SDPA's blocked GEMMs beat the C kernel
+        return _varlen_sdpa_per_sequence(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale)
+    return _run(q, k_cache, v_cache, block_tables, _varlen_tiles(cu_seqlens_q, context_lens), scale)
+
+
+def _varlen_sdpa_per_sequence(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale) -> torch.Tensor:
+    """SDPA once per sequence on its own blocks, in float32: no padding to the longest sequence,
+    and a prompt without cached prefix runs is_causal, which lets SDPA skip the masked half.
+    (paged_attention_varlen_torch pads every sequence to the longest and masks explicitly.)"""
+    block_size = k_cache.shape[1]
+    dtype = torch.float32
+    out = torch.empty(q.shape, dtype=dtype)
+    cu, ctxs = cu_seqlens_q.tolist(), context_lens.tolist()
+    for s, ctx in enumerate(ctxs):
+        start, end = cu[s], cu[s + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        ids = block_tables[s, : (ctx + block_size - 1) // block_size].long()
+        # 4-D [1, heads, len, D]: with 3-D inputs SDPA takes its unfused math path on CPU.
+        k = k_cache.index_select(0, ids).flatten(0, 1)[:ctx].to(dtype).transpose(0, 1)[None]  # [1, Hkv, ctx, D]
+        v = v_cache.index_select(0, ids).flatten(0, 1)[:ctx].to(dtype).transpose(0, 1)[None]
+        qs = q[start:end].to(dtype).transpose(0, 1)[None]  # [1, H, q_len, D]
+        if q_len == ctx:
+            o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:  # a chunk after cached tokens: query i sits at position ctx - q_len + i
+            visible = torch.arange(ctx)[None, :] <= torch.arange(ctx - q_len, ctx)[:, None]
+            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=visible, scale=scale, enable_gqa=True)
+        out[start:end] = o[0].transpose(0, 1)
+    return out.to(q.dtype)

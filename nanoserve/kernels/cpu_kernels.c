@@ -1,0 +1,503 @@
+/* CPU kernels for nanoserve, built on first use by nanoserve/kernels/cpu_kernels.py
+ * (cc -O3 -march=native -fopenmp) and called through ctypes. Each has a PyTorch reference with
+ * the same semantics; tests/test_cpu_kernels.py holds them to it.
+ *
+ * Paged attention (paged_attention_f32, paged_decode_f32) reads K/V straight from the
+ * block-table-addressed cache. The PyTorch path (paged_attention.py) gathers every sequence's
+ * blocks into a padded copy, converts it to float32 and runs SDPA on it: the KV bytes cross
+ * memory about seven times per layer. Here a work item walks its sequence's blocks once, widens
+ * one key/value row at a time to float32 and keeps scores in a small scratch buffer. Math is
+ * float32 for every cache dtype.
+ *
+ * For varlen, a tile is up to TILE consecutive query tokens of one sequence; token i of a tile
+ * sees nkeys0 + i keys (causal). GQA: query head h reads KV head h / (num_heads / num_kv_heads).
+ *
+ * rms_norm_bf16 and qk_norm_rope_bf16 fuse the small per-token ops around attention (residual
+ * add, RMSNorm, q/k norm, rotary embedding) for bf16 activations, rounding to bf16 exactly where
+ * the PyTorch modules do, so only summation order differs.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
+
+static inline void widen_row(const void *base, int64_t index, int64_t n, int dtype, float *restrict dst) {
+    if (dtype == DTYPE_BF16) {
+        const uint16_t *src = (const uint16_t *)base + index;
+#pragma omp simd
+        for (int64_t d = 0; d < n; d++) {
+            union { uint32_t u; float f; } v;
+            v.u = (uint32_t)src[d] << 16;
+            dst[d] = v.f;
+        }
+    } else if (dtype == DTYPE_F16) {
+        const _Float16 *src = (const _Float16 *)base + index;
+#pragma omp simd
+        for (int64_t d = 0; d < n; d++) dst[d] = (float)src[d];
+    } else {
+        memcpy(dst, (const float *)base + index, (size_t)n * sizeof(float));
+    }
+}
+
+#define KB 8 /* keys per QK^T chunk: one 8-float vector of scores per query row */
+#define VB 4 /* value rows folded per pass over an output row */
+#define RB 4 /* query rows per QK^T pass */
+
+/* Returns 0 on success, 1 if scratch memory could not be allocated. */
+int paged_attention_f32(
+    const float *q,           /* [num_tokens, num_heads, head_dim] */
+    float *out,               /* [num_tokens, num_heads, head_dim] */
+    const void *k_cache,      /* [num_blocks, block_size, num_kv_heads, head_dim] */
+    const void *v_cache,
+    int cache_dtype,
+    const int32_t *block_tables, /* [num_seqs, bt_stride]; entries past a sequence's blocks are never read */
+    int64_t bt_stride,
+    const int32_t *tile_seq,     /* [num_tiles] sequence of each tile */
+    const int32_t *tile_start,   /* [num_tiles] first token (row of q / out) */
+    const int32_t *tile_len,     /* [num_tiles] tokens in the tile, 1..max_tile_len */
+    const int32_t *tile_nkeys0,  /* [num_tiles] keys seen by the tile's first token (>= 1) */
+    int64_t num_tiles,
+    int64_t max_tile_len,
+    int64_t max_keys,            /* max over tiles of nkeys0 + len - 1 */
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+    float scale, int num_threads)
+{
+    const int64_t G = num_heads / num_kv_heads;
+    const int64_t max_rows = max_tile_len * G;
+    const int64_t stride_keys = (max_keys + KB - 1) / KB * KB; /* scores row length, whole chunks */
+    int failed = 0;
+
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)(max_rows * stride_keys));
+        float *acc = malloc(sizeof(float) * (size_t)(max_rows * head_dim));
+        float *qs = calloc((size_t)((max_rows + RB - 1) / RB * RB * head_dim), sizeof(float));
+        float *chunk = malloc(sizeof(float) * (size_t)(KB * head_dim));
+        float *rows_buf = malloc(sizeof(float) * (size_t)(VB * head_dim));
+        float *inv_sum = malloc(sizeof(float) * (size_t)max_rows);
+        if (!scores || !acc || !qs || !chunk || !rows_buf || !inv_sum) {
+#pragma omp atomic write
+            failed = 1;
+        }
+
+#pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int64_t tile = 0; tile < num_tiles; tile++) {
+            for (int64_t kvh = 0; kvh < num_kv_heads; kvh++) {
+                if (failed) continue;
+                const int32_t *table = block_tables + (int64_t)tile_seq[tile] * bt_stride;
+                const int64_t t0 = tile_start[tile], n = tile_len[tile], nk0 = tile_nkeys0[tile];
+                const int64_t nkeys = nk0 + n - 1, rows = n * G;
+
+                /* the tile's query rows r = (token i, head g), pre-scaled */
+                for (int64_t r = 0; r < rows; r++) {
+                    const float *src = q + ((t0 + r / G) * num_heads + kvh * G + r % G) * head_dim;
+                    for (int64_t d = 0; d < head_dim; d++) qs[r * head_dim + d] = src[d] * scale;
+                }
+
+                /* scores = Q K^T. Few rows (decode: G rows): one dot product per key and row. */
+                if (rows < RB) {
+                    for (int64_t j = 0, b = 0, off = 0; j < nkeys; j++) {
+                        const int64_t slot = (int64_t)table[b] * block_size + off;
+                        if (++off == block_size) { off = 0; b++; }  /* no division per key */
+                        widen_row(k_cache, (slot * num_kv_heads + kvh) * head_dim, head_dim, cache_dtype, rows_buf);
+                        for (int64_t r = 0; r < rows; r++) {
+                            const float *qr = qs + r * head_dim;
+                            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                            for (int64_t d = 0; d < head_dim; d++) dot += qr[d] * rows_buf[d];
+                            scores[r * stride_keys + j] = dot;
+                        }
+                    }
+                }
+                /* Many rows: KB keys at a time, the chunk stored transposed ([d][k]) so each query row
+                   accumulates KB scores in one vector, without horizontal sums */
+                for (int64_t j0 = 0, b = 0, off = 0; rows >= RB && j0 < nkeys; j0 += KB) {
+                    const int64_t kb = nkeys - j0 < KB ? nkeys - j0 : KB;
+                    for (int64_t k = 0; k < KB; k++) {
+                        if (k < kb) {
+                            const int64_t slot = (int64_t)table[b] * block_size + off;
+                            if (++off == block_size) { off = 0; b++; }
+                            widen_row(k_cache, (slot * num_kv_heads + kvh) * head_dim, head_dim, cache_dtype,
+                                      rows_buf);
+                            for (int64_t d = 0; d < head_dim; d++) chunk[d * KB + k] = rows_buf[d];
+                        } else {
+                            for (int64_t d = 0; d < head_dim; d++) chunk[d * KB + k] = 0.0f;
+                        }
+                    }
+                    /* RB rows at a time: independent accumulators hide the FMA latency */
+                    for (int64_t r0 = 0; r0 < rows; r0 += RB) {
+                        const int64_t rb = rows - r0 < RB ? rows - r0 : RB;
+                        float s[RB][KB] = {{0}};
+                        const float *qr = qs + r0 * head_dim;
+                        for (int64_t d = 0; d < head_dim; d++) {
+                            const float *c = chunk + d * KB;
+                            for (int i = 0; i < RB; i++) {
+                                const float qd = qr[i * head_dim + d];
+#pragma omp simd
+                                for (int k = 0; k < KB; k++) s[i][k] += qd * c[k];
+                            }
+                        }
+                        for (int64_t i = 0; i < rb; i++) {
+                            float *dst = scores + (r0 + i) * stride_keys + j0;
+                            for (int k = 0; k < KB; k++) dst[k] = s[i][k];
+                        }
+                    }
+                }
+
+                /* causal mask, then softmax; every row sees at least key 0 */
+                for (int64_t r = 0; r < rows; r++) {
+                    float *s = scores + r * stride_keys;
+                    const int64_t visible = nk0 + r / G;
+                    float m = s[0];
+                    for (int64_t j = 1; j < visible; j++) m = s[j] > m ? s[j] : m;
+                    float sum = 0.0f;
+                    for (int64_t j = 0; j < visible; j++) { s[j] = expf(s[j] - m); sum += s[j]; }
+                    for (int64_t j = visible; j < stride_keys; j++) s[j] = 0.0f;
+                    inv_sum[r] = 1.0f / sum;
+                }
+
+                /* acc = P V, VB value rows per pass over each output row */
+                memset(acc, 0, sizeof(float) * (size_t)(rows * head_dim));
+                for (int64_t j0 = 0, b = 0, off = 0; j0 < nkeys; j0 += VB) {
+                    const int64_t vb = nkeys - j0 < VB ? nkeys - j0 : VB;
+                    for (int64_t k = 0; k < VB; k++) {
+                        float *dst = rows_buf + k * head_dim;
+                        if (k < vb) {
+                            const int64_t slot = (int64_t)table[b] * block_size + off;
+                            if (++off == block_size) { off = 0; b++; }
+                            widen_row(v_cache, (slot * num_kv_heads + kvh) * head_dim, head_dim, cache_dtype, dst);
+                        } else {
+                            memset(dst, 0, sizeof(float) * (size_t)head_dim);
+                        }
+                    }
+                    const float *v0 = rows_buf, *v1 = v0 + head_dim, *v2 = v1 + head_dim, *v3 = v2 + head_dim;
+                    for (int64_t r = 0; r < rows; r++) {
+                        const float *p = scores + r * stride_keys + j0;
+                        const float p0 = p[0], p1 = vb > 1 ? p[1] : 0.0f, p2 = vb > 2 ? p[2] : 0.0f,
+                                    p3 = vb > 3 ? p[3] : 0.0f;
+                        float *a = acc + r * head_dim;
+#pragma omp simd
+                        for (int64_t d = 0; d < head_dim; d++) a[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d];
+                    }
+                }
+                for (int64_t r = 0; r < rows; r++) {
+                    float *o = out + ((t0 + r / G) * num_heads + kvh * G + r % G) * head_dim;
+                    const float *a = acc + r * head_dim;
+                    const float w = inv_sum[r];
+#pragma omp simd
+                    for (int64_t d = 0; d < head_dim; d++) o[d] = a[d] * w;
+                }
+            }
+        }
+        free(scores);
+        free(acc);
+        free(qs);
+        free(chunk);
+        free(rows_buf);
+        free(inv_sum);
+    }
+    return failed;
+}
+
+/* q . k over n floats (n a multiple of 8 when AVX2 is on; any n otherwise). */
+static inline float dot_f32(const float *restrict a, const float *restrict b, int64_t n) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (n % 16 == 0) {
+        __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+        for (int64_t d = 0; d < n; d += 16) {
+            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), s0);
+            s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), s1);
+        }
+        __m256 s = _mm256_add_ps(s0, s1);
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_add_ss(h, _mm_movehdup_ps(h));
+        return _mm_cvtss_f32(h);
+    }
+#endif
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t d = 0; d < n; d++) dot += a[d] * b[d];
+    return dot;
+}
+
+/* Decode: one query token per sequence. A work item is (sequence, group of kv_per_item KV heads):
+   it reads each key's kv_per_item * head_dim values, contiguous in the cache, so memory is walked
+   block by block. Returns 0 on success, 1 if scratch memory could not be allocated. */
+int paged_decode_f32(
+    const float *q,              /* [num_seqs, num_heads, head_dim] */
+    float *out,                  /* [num_seqs, num_heads, head_dim] */
+    const void *k_cache,         /* [num_blocks, block_size, num_kv_heads, head_dim] */
+    const void *v_cache,
+    int cache_dtype,
+    const int32_t *block_tables, /* [num_seqs, bt_stride] */
+    int64_t bt_stride,
+    const int32_t *context_lens, /* [num_seqs] keys per sequence (>= 1) */
+    int64_t num_seqs,
+    int64_t max_keys,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+    int64_t kv_per_item,         /* divides num_kv_heads */
+    float scale, int num_threads)
+{
+    const int64_t G = num_heads / num_kv_heads;
+    const int64_t rows = kv_per_item * G;      /* query heads per work item */
+    const int64_t width = kv_per_item * head_dim;
+    const int64_t groups = num_kv_heads / kv_per_item;
+    int failed = 0;
+
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)(rows * max_keys));
+        float *acc = malloc(sizeof(float) * (size_t)(rows * head_dim));
+        float *qs = malloc(sizeof(float) * (size_t)(rows * head_dim));
+        float *kv = malloc(sizeof(float) * (size_t)(VB * width));
+        float *inv_sum = malloc(sizeof(float) * (size_t)rows);
+        if (!scores || !acc || !qs || !kv || !inv_sum) {
+#pragma omp atomic write
+            failed = 1;
+        }
+
+#pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int64_t seq = 0; seq < num_seqs; seq++) {
+            for (int64_t grp = 0; grp < groups; grp++) {
+                if (failed) continue;
+                const int32_t *table = block_tables + seq * bt_stride;
+                const int64_t nkeys = context_lens[seq];
+                const int64_t kv0 = grp * kv_per_item;  /* first KV head; query heads kv0*G .. */
+                const float *qsrc = q + (seq * num_heads + kv0 * G) * head_dim;
+                for (int64_t x = 0; x < rows * head_dim; x++) qs[x] = qsrc[x] * scale;
+
+                for (int64_t j = 0, b = 0, off = 0; j < nkeys; j++) {
+                    const int64_t slot = (int64_t)table[b] * block_size + off;
+                    if (++off == block_size) { off = 0; b++; }
+                    widen_row(k_cache, (slot * num_kv_heads + kv0) * head_dim, width, cache_dtype, kv);
+                    for (int64_t r = 0; r < rows; r++)
+                        scores[r * max_keys + j] = dot_f32(qs + r * head_dim, kv + (r / G) * head_dim, head_dim);
+                }
+                for (int64_t r = 0; r < rows; r++) {
+                    float *s = scores + r * max_keys;
+                    float m = s[0];
+                    for (int64_t j = 1; j < nkeys; j++) m = s[j] > m ? s[j] : m;
+                    float sum = 0.0f;
+                    for (int64_t j = 0; j < nkeys; j++) { s[j] = expf(s[j] - m); sum += s[j]; }
+                    inv_sum[r] = 1.0f / sum;
+                }
+                memset(acc, 0, sizeof(float) * (size_t)(rows * head_dim));
+                for (int64_t j0 = 0, b = 0, off = 0; j0 < nkeys; j0 += VB) {
+                    const int64_t vb = nkeys - j0 < VB ? nkeys - j0 : VB;
+                    for (int64_t k = 0; k < VB; k++) {
+                        float *dst = kv + k * width;
+                        if (k < vb) {
+                            const int64_t slot = (int64_t)table[b] * block_size + off;
+                            if (++off == block_size) { off = 0; b++; }
+                            widen_row(v_cache, (slot * num_kv_heads + kv0) * head_dim, width, cache_dtype, dst);
+                        } else {
+                            memset(dst, 0, sizeof(float) * (size_t)width);
+                        }
+                    }
+                    for (int64_t r = 0; r < rows; r++) {
+                        const float *p = scores + r * max_keys + j0;
+                        const float p0 = p[0], p1 = vb > 1 ? p[1] : 0.0f, p2 = vb > 2 ? p[2] : 0.0f,
+                                    p3 = vb > 3 ? p[3] : 0.0f;
+                        const float *v0 = kv + (r / G) * head_dim, *v1 = v0 + width, *v2 = v1 + width,
+                                    *v3 = v2 + width;
+                        float *a = acc + r * head_dim;
+#pragma omp simd
+                        for (int64_t d = 0; d < head_dim; d++) a[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d];
+                    }
+                }
+                float *o = out + (seq * num_heads + kv0 * G) * head_dim;
+                for (int64_t r = 0; r < rows; r++) {
+#pragma omp simd
+                    for (int64_t d = 0; d < head_dim; d++) o[r * head_dim + d] = acc[r * head_dim + d] * inv_sum[r];
+                }
+            }
+        }
+        free(scores);
+        free(acc);
+        free(qs);
+        free(kv);
+        free(inv_sum);
+    }
+    return failed;
+}
+
+
+/* ------------------------------------------------------------------------------------------ */
+/* bf16 helpers: round-to-nearest-even like torch's float -> bfloat16 conversion.            */
+
+static inline float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)h << 16;
+    return v.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    const uint32_t rounded = (v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16;
+    const uint32_t nan = (v.u >> 16) | 0x40u; /* quiet NaN, sign and payload top bits kept */
+    return (uint16_t)(((v.u & 0x7fffffffu) > 0x7f800000u) ? nan : rounded);
+}
+
+/* out = bf16(weight * bf16(r * rsqrt(mean(r^2) + eps))), r = x, or with residual:
+   r = bf16(x + residual) is also written to residual_out (may alias residual). Rows of `dim`. */
+void rms_norm_bf16(const uint16_t *x, const uint16_t *residual, uint16_t *residual_out, const uint16_t *weight,
+                   uint16_t *out, int64_t rows, int64_t dim, float eps, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * dim > 32768)
+    for (int64_t i = 0; i < rows; i++) {
+        const uint16_t *xi = x + i * dim;
+        uint16_t *oi = out + i * dim;
+        float buf[dim];
+        if (residual) {
+            const uint16_t *ri = residual + i * dim;
+            uint16_t *ro = residual_out + i * dim;
+#pragma omp simd
+            for (int64_t d = 0; d < dim; d++) {
+                const uint16_t r = f32_to_bf16(bf16_to_f32(xi[d]) + bf16_to_f32(ri[d]));
+                ro[d] = r;
+                buf[d] = bf16_to_f32(r);
+            }
+        } else {
+#pragma omp simd
+            for (int64_t d = 0; d < dim; d++) buf[d] = bf16_to_f32(xi[d]);
+        }
+        float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t d = 0; d < dim; d++) ss += buf[d] * buf[d];
+        const float scale = 1.0f / sqrtf(ss / (float)dim + eps);
+#pragma omp simd
+        for (int64_t d = 0; d < dim; d++)
+            oi[d] = f32_to_bf16(bf16_to_f32(weight[d]) * bf16_to_f32(f32_to_bf16(buf[d] * scale)));
+    }
+}
+
+/* Per-head RMSNorm then neox-style RoPE (rotate halves), for q and k of a fused qkv row.
+   q_in/k_in: rows of a [tokens, in_stride] bf16 tensor, heads of head_dim values each;
+   q_out [tokens, num_q_heads, head_dim], k_out [tokens, num_k_heads, head_dim] bf16;
+   cos_sin [max_pos, head_dim] float32: cos of the head_dim/2 frequencies, then their sin. */
+/* No FMA contraction: x1 * c - x2 * s rounds each product like the PyTorch module does. */
+__attribute__((optimize("fp-contract=off"))) void qk_norm_rope_bf16(const uint16_t *q_in, const uint16_t *k_in, int64_t in_stride, uint16_t *q_out,
+                       uint16_t *k_out, const uint16_t *q_weight, const uint16_t *k_weight, const int64_t *positions,
+                       const float *cos_sin, int64_t tokens, int64_t num_q_heads, int64_t num_k_heads,
+                       int64_t head_dim, float eps, int num_threads) {
+    const int64_t half = head_dim / 2, heads = num_q_heads + num_k_heads;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (tokens * heads * head_dim > 32768)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *cs = cos_sin + positions[t] * head_dim;
+        for (int64_t h = 0; h < heads; h++) {
+            const int is_q = h < num_q_heads;
+            const int64_t hh = is_q ? h : h - num_q_heads;
+            const uint16_t *src = (is_q ? q_in : k_in) + t * in_stride + hh * head_dim;
+            uint16_t *dst = (is_q ? q_out + t * num_q_heads * head_dim : k_out + t * num_k_heads * head_dim)
+                            + hh * head_dim;
+            const uint16_t *w = is_q ? q_weight : k_weight;
+            float v[head_dim];
+            float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+            for (int64_t d = 0; d < head_dim; d++) {
+                v[d] = bf16_to_f32(src[d]);
+                ss += v[d] * v[d];
+            }
+            const float scale = 1.0f / sqrtf(ss / (float)head_dim + eps);
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; d++)  /* the norm's output, rounded as the module does */
+                v[d] = bf16_to_f32(f32_to_bf16(bf16_to_f32(w[d]) * bf16_to_f32(f32_to_bf16(v[d] * scale))));
+#pragma omp simd
+            for (int64_t d = 0; d < half; d++) {
+                const float c = cs[d], s = cs[half + d], x1 = v[d], x2 = v[half + d];
+                dst[d] = f32_to_bf16(x1 * c - x2 * s);
+                dst[half + d] = f32_to_bf16(x2 * c + x1 * s);
+            }
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Skinny GEMM with bf16 weights: y[M,N] = x[M,K] . w[N,K]^T (+ bias), x and y float32.       */
+/* For decode-sized M the weight read dominates; bf16 halves it against a float32 copy, and   */
+/* each loaded weight vector is widened in registers and used for every row of x. Weight rows */
+/* are walked once; small blocks of rows x columns keep MB * NB accumulators in registers.    */
+
+int skinny_gemm_supported(void) {
+#if defined(__AVX2__) && defined(__FMA__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __m256 widen_bf16x8(const uint16_t *p) {
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static inline float hsum8(__m256 s) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+
+/* Rows m0 .. m0+mm-1 (mm <= MB) of x against weight rows n0 .. n0+nn-1 (nn <= NB). */
+#define DEFINE_SKINNY_BLOCK(MB, NB)                                                                        \
+    static inline void skinny_block_##MB##x##NB(const float *x, int64_t m0, int64_t mm, int64_t K,          \
+                                                const uint16_t *w, int64_t n0, int64_t nn, int64_t N,       \
+                                                const float *bias, float *y) {                              \
+        const uint16_t *wp[NB];                                                                            \
+        for (int j = 0; j < NB; j++) wp[j] = w + (n0 + (j < nn ? j : 0)) * K;                             \
+        __m256 acc[MB][NB];                                                                                \
+        for (int i = 0; i < MB; i++)                                                                       \
+            for (int j = 0; j < NB; j++) acc[i][j] = _mm256_setzero_ps();                                  \
+        const float *xr = x + m0 * K;                                                                      \
+        for (int64_t k = 0; k < K; k += 8) {                                                               \
+            __m256 wv[NB];                                                                                 \
+            for (int j = 0; j < NB; j++) wv[j] = widen_bf16x8(wp[j] + k);                                 \
+            for (int i = 0; i < MB; i++) {                                                                 \
+                if (i < mm) {                                                                              \
+                    const __m256 xv = _mm256_loadu_ps(xr + i * K + k);                                     \
+                    for (int j = 0; j < NB; j++) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);        \
+                }                                                                                          \
+            }                                                                                              \
+        }                                                                                                  \
+        for (int64_t i = 0; i < mm; i++)                                                                   \
+            for (int64_t j = 0; j < nn; j++)                                                               \
+                y[(m0 + i) * N + n0 + j] = hsum8(acc[i][j]) + (bias ? bias[n0 + j] : 0.0f);                \
+    }
+
+DEFINE_SKINNY_BLOCK(1, 8) /* one row: more weight streams in flight */
+DEFINE_SKINNY_BLOCK(2, 4)
+DEFINE_SKINNY_BLOCK(4, 3) /* 12 accumulators + 3 weight vectors + 1 input vector = 16 registers */
+#endif
+
+/* Returns 0 on success, 1 if this build has no AVX2/FMA or K is not a multiple of 8. */
+int skinny_gemm_bf16(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, const float *bias,
+                     float *y, int num_threads) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (K % 8 != 0) return 1;
+    if (M == 1) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t n0 = 0; n0 < N; n0 += 8) skinny_block_1x8(x, 0, 1, K, w, n0, N - n0 < 8 ? N - n0 : 8, N, bias, y);
+    } else if (M == 2) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t n0 = 0; n0 < N; n0 += 4) skinny_block_2x4(x, 0, 2, K, w, n0, N - n0 < 4 ? N - n0 : 4, N, bias, y);
+    } else {
+        /* Weight rows outermost: three rows (6 KB at K = 1024) stay in L1 for every block of x rows. */
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t n0 = 0; n0 < N; n0 += 3) {
+            const int64_t nn = N - n0 < 3 ? N - n0 : 3;
+            for (int64_t m0 = 0; m0 < M; m0 += 4) skinny_block_4x3(x, m0, M - m0 < 4 ? M - m0 : 4, K, w, n0, nn, N, bias, y);
+        }
+    }
+    return 0;
+#else
+    (void)x; (void)M; (void)K; (void)w; (void)N; (void)bias; (void)y; (void)num_threads;
+    return 1;
+#endif
+}

@@ -1,0 +1,186 @@
+"""Build, load and call the C kernels in cpu_kernels.c (CPU only).
+
+The source is compiled once per machine with the system C compiler (`cc -O3 -march=native
+-fopenmp`) into $NANOSERVE_CACHE/kernels (default ~/.cache/nanoserve/kernels, keyed by the source,
+the flags and the CPU) and loaded with ctypes; it links the OpenMP runtime torch has already
+loaded. Where no compiler is found or the build fails, `load()` returns None and every caller
+keeps its PyTorch path. NANOSERVE_CPU_KERNELS=0 switches the kernels off.
+
+This module also holds the wrappers of the small fused ops (RMSNorm with residual, q/k norm +
+RoPE) and of the skinny bf16 GEMM; attention lives in cpu_attention.py.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
+
+_P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+SIGNATURES = {
+    "paged_attention_f32": [_P] * 4 + [_I32, _P, _I64] + [_P] * 4 + [_I64] * 7 + [_F, _I32],
+    "paged_decode_f32": [_P] * 4 + [_I32, _P, _I64, _P] + [_I64] * 7 + [_F, _I32],
+    "rms_norm_bf16": [_P] * 5 + [_I64, _I64, _F, _I32],
+    "qk_norm_rope_bf16": [_P, _P, _I64] + [_P] * 6 + [_I64] * 4 + [_F, _I32],
+    "skinny_gemm_bf16": [_P, _I64, _I64, _P, _I64, _P, _P, _I32],
+    "skinny_gemm_supported": [],
+}
+RETURNS_INT = ("paged_attention_f32", "paged_decode_f32", "skinny_gemm_bf16", "skinny_gemm_supported")
+
+_lib: ctypes.CDLL | None = None
+_load_attempted = False
+_lock = threading.Lock()
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("NANOSERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "nanoserve")
+    return Path(root) / "kernels"
+
+
+def _cpu_fingerprint() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _build(cc: str) -> Path:
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([cc, *CFLAGS]).encode() + _cpu_fingerprint().encode()).hexdigest()[:16]
+    target = _cache_dir() / f"cpu_kernels-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, text=True)
+        os.replace(tmp, target)  # atomic: a concurrent build of the same source is just as good
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return target
+
+
+def load() -> ctypes.CDLL | None:
+    """The kernel library, built on the first call; None where it cannot be built."""
+    global _lib, _load_attempted
+    with _lock:
+        if _load_attempted:
+            return _lib
+        _load_attempted = True
+        if os.environ.get("NANOSERVE_CPU_KERNELS", "1") == "0":
+            return None
+        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        if cc is None:
+            logger.info("no C compiler found: the CPU kernels fall back to PyTorch")
+            return None
+        try:
+            lib = ctypes.CDLL(str(_build(cc)))
+        except (OSError, subprocess.CalledProcessError) as e:
+            detail = getattr(e, "stderr", "") or str(e)
+            logger.warning("building the CPU kernels failed, falling back to PyTorch: %s", detail[-2000:])
+            return None
+        for name, argtypes in SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes = argtypes
+            fn.restype = ctypes.c_int if name in RETURNS_INT else None
+        _lib = lib
+        return _lib
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def _usable(*tensors: torch.Tensor) -> bool:
+    """bf16 CPU tensors, outside autograd (the kernels write raw memory), with the library built."""
+    return (
+        all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors)
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+        and load() is not None
+    )
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+    """RMSNorm over the last dim (residual added first, as layers.layernorm.RMSNorm does) for bf16;
+    None when the kernel does not apply (the caller runs the PyTorch module)."""
+    if not _usable(x, weight, *([residual] if residual is not None else [])):
+        return None
+    dim = x.shape[-1]
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    new_residual = None
+    if residual is not None:
+        residual = residual.contiguous()
+        new_residual = torch.empty_like(x)
+    with torch.profiler.record_function("nanoserve::cpu_rms_norm"):
+        load().rms_norm_bf16(
+            x.data_ptr(), residual.data_ptr() if residual is not None else None,
+            new_residual.data_ptr() if new_residual is not None else None, weight.contiguous().data_ptr(),
+            out.data_ptr(), x.numel() // dim, dim, eps, torch.get_num_threads(),
+        )
+    return out if residual is None else (out, new_residual)
+
+
+def qk_norm_rope(
+    q: torch.Tensor,  # [tokens, num_q_heads * head_dim], rows may be strided (a slice of qkv)
+    k: torch.Tensor,  # [tokens, num_k_heads * head_dim], same row stride as q
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    positions: torch.Tensor,  # [tokens] int64
+    cos_sin: torch.Tensor,  # [max_pos, head_dim] float32
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """q_norm / k_norm per head then RoPE, for bf16; q [T, Hq, D], k [T, Hk, D] out, or None."""
+    if not _usable(q, k, q_weight, k_weight) or cos_sin.dtype != torch.float32:
+        return None
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or q.stride(0) != k.stride(0):
+        return None
+    tokens = q.shape[0]
+    hq, hk = q.shape[1] // head_dim, k.shape[1] // head_dim
+    q_out = torch.empty(tokens, hq, head_dim, dtype=q.dtype)
+    k_out = torch.empty(tokens, hk, head_dim, dtype=k.dtype)
+    positions = positions.to(torch.int64).contiguous()
+    with torch.profiler.record_function("nanoserve::cpu_qk_norm_rope"):
+        load().qk_norm_rope_bf16(
+            q.data_ptr(), k.data_ptr(), q.stride(0), q_out.data_ptr(), k_out.data_ptr(),
+            q_weight.contiguous().data_ptr(), k_weight.contiguous().data_ptr(), positions.data_ptr(),
+            cos_sin.contiguous().data_ptr(), tokens, hq, hk, head_dim, eps, torch.get_num_threads(),
+        )
+    return q_out, k_out
+
+
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [M, K] float32 @ weight [N, K] bf16 ^T (+ bias float32) -> [M, N] float32, for small M.
+
+    None where the kernel does not apply (no AVX2 build, K not a multiple of 8, other dtypes)."""
+    lib = load()
+    if lib is None or weight.dtype != torch.bfloat16 or x.dtype != torch.float32 or x.dim() != 2:
+        return None
+    if not lib.skinny_gemm_supported() or weight.shape[1] % 8 or not weight.is_contiguous():
+        return None
+    x = x.contiguous()
+    rows, n = x.shape[0], weight.shape[0]
+    y = torch.empty(rows, n, dtype=torch.float32)
+    with torch.profiler.record_function("nanoserve::cpu_skinny_gemm"):
+        err = lib.skinny_gemm_bf16(x.data_ptr(), rows, x.shape[1], weight.data_ptr(), n,
+                                   bias.data_ptr() if bias is not None else None, y.data_ptr(),
+                                   torch.get_num_threads())
+    return None if err else y

@@ -1,0 +1,149 @@
+"""CPU fast paths against their references: the C kernels (paged attention, RMSNorm, q/k norm + RoPE)
+and the prepacked float32 GEMM."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanoserve.kernels import cpu_attention as ca
+from nanoserve.kernels import cpu_kernels
+from nanoserve.kernels.cpu import CPUWeight
+from nanoserve.layers.layernorm import RMSNorm
+from nanoserve.layers.rotary_embedding import RotaryEmbedding
+from test_kernels import as_fp32_batch, decode_args, make_paged_batch, naive_paged_attention, varlen_args
+
+needs_kernel = pytest.mark.skipif(not ca.available(), reason="no C compiler: the CPU attention kernel is not built")
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Max abs error against float64 attention over the same (rounded) inputs; bf16/fp16 round the output.
+ATOL = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 3e-3}
+
+CASES = {
+    # name: (seqs as (q_len, context_len), num_heads, num_kv_heads, head_dim, block_size)
+    "mha_prefill": ([(7, 7), (3, 3)], 4, 4, 16, 4),
+    "gqa2_mixed": ([(5, 5), (3, 11), (1, 9), (4, 4)], 4, 2, 16, 4),
+    "gqa4_prefix": ([(6, 20), (2, 17)], 8, 2, 32, 8),
+    "mqa_block1": ([(3, 6), (1, 5)], 4, 1, 16, 1),
+    "gqa3_block6_d24": ([(4, 13), (1, 7), (7, 7)], 6, 2, 24, 6),
+    # Longer than one 32-token tile, a cached prefix, Qwen3-0.6B's head shape.
+    "qwen3_shape_multi_tile": ([(40, 40), (6, 70), (1, 33), (33, 100)], 16, 8, 128, 16),
+}
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("name", list(CASES))
+def test_varlen_kernel_matches_naive(name, dtype, monkeypatch):
+    monkeypatch.setattr(ca, "VARLEN_MAX_Q", 1 << 30)  # always the C kernel, never the SDPA fallback
+    seqs, heads, kv_heads, head_dim, block_size = CASES[name]
+    b = make_paged_batch(seqs, heads, kv_heads, head_dim, block_size, dtype=DTYPES[dtype])
+    got = ca.paged_attention_varlen_cpu(*varlen_args(b))
+    assert got.dtype == DTYPES[dtype] and got.shape == b["q"].shape
+    torch.testing.assert_close(got.double(), naive_paged_attention(as_fp32_batch(b)), atol=ATOL[dtype], rtol=0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("name", list(CASES))
+def test_decode_kernel_matches_naive(name, dtype):
+    seqs, heads, kv_heads, head_dim, block_size = CASES[name]
+    b = make_paged_batch([(1, ctx) for _, ctx in seqs], heads, kv_heads, head_dim, block_size, dtype=DTYPES[dtype])
+    got = ca.paged_attention_decode_cpu(*decode_args(b))
+    torch.testing.assert_close(got.double(), naive_paged_attention(as_fp32_batch(b)), atol=ATOL[dtype], rtol=0)
+
+
+@needs_kernel
+def test_decode_kernel_splits_kv_heads_for_few_sequences():
+    # One sequence: work is split across KV heads so no thread idles; the result must not change.
+    b = make_paged_batch([(1, 50)], 16, 8, 128, 16)
+    torch.testing.assert_close(ca.paged_attention_decode_cpu(*decode_args(b)).double(),
+                               naive_paged_attention(b), atol=1e-5, rtol=0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_varlen_long_queries_run_sdpa_per_sequence(dtype):
+    # Past VARLEN_MAX_Q query tokens: SDPA per sequence, is_causal without a prefix, a mask with one.
+    n = ca.VARLEN_MAX_Q
+    seqs = [(n + 5, n + 5), (n + 1, n + 40), (3, 3), (1, 17), (2 * n, 2 * n)]
+    b = make_paged_batch(seqs, 8, 2, 32, 8, dtype=DTYPES[dtype])
+    got = ca.paged_attention_varlen_cpu(*varlen_args(b))
+    assert got.dtype == DTYPES[dtype]
+    torch.testing.assert_close(got.double(), naive_paged_attention(as_fp32_batch(b)), atol=ATOL[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 300])  # the skinny kernel's 1-, 2- and 4-row blocks; oneDNN
+@pytest.mark.parametrize("out_features, in_features", [(101, 64), (96, 60)])  # ragged N; K % 8 != 0
+def test_cpu_weight_matches_f32_linear(dtype, rows, out_features, in_features):
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(out_features, in_features, generator=g).to(dtype)
+    bias = torch.randn(out_features, generator=g).to(dtype)
+    x = torch.randn(rows, in_features, generator=g).to(dtype)
+    got = CPUWeight(weight, bias)(x)
+    ref = F.linear(x.double(), weight.double(), bias.double())  # exact products of the rounded inputs
+    assert got.dtype == dtype and got.shape == (rows, out_features)
+    # Float32 accumulation, then one rounding to dtype: at most one ulp of the output dtype off.
+    tol = {torch.float32: 1e-4, torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}[dtype]
+    torch.testing.assert_close(got.double(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
+
+
+needs_library = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler: CPU kernels are not built")
+
+
+def _bf16_mismatches(got: torch.Tensor, ref: torch.Tensor) -> int:
+    """Elements that differ; a difference may only be a rounding step (summation order) of an
+    intermediate bf16 value, so it is bounded by one bf16 ulp of the largest value."""
+    assert got.dtype == ref.dtype == torch.bfloat16 and got.shape == ref.shape
+    diff = (got.float() - ref.float()).abs()
+    assert diff.max().item() <= ref.float().abs().max().item() * 2 ** -7, f"max diff {diff.max().item()}"
+    return int((diff > 0).sum())
+
+
+@needs_library
+@pytest.mark.parametrize("rows", [1, 16, 300])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_kernel_matches_module(rows, with_residual):
+    g = torch.Generator().manual_seed(rows)
+    norm = RMSNorm(1024, eps=1e-6)
+    norm.weight.data = (1 + 0.1 * torch.randn(1024, generator=g)).bfloat16()
+    x = (3 * torch.randn(rows, 1024, generator=g)).bfloat16()
+    residual = torch.randn(rows, 1024, generator=g).bfloat16() if with_residual else None
+    with torch.inference_mode():
+        got = cpu_kernels.rms_norm(x, norm.weight, norm.eps, residual)
+        if with_residual:
+            ref_residual = x + residual
+            ref = norm._norm(ref_residual)
+            got, got_residual = got
+            assert torch.equal(got_residual, ref_residual)
+        else:
+            ref = norm._norm(x)
+    assert _bf16_mismatches(got, ref) <= ref.numel() // 1000
+
+
+@needs_library
+@pytest.mark.parametrize("tokens", [1, 16, 300])
+def test_qk_norm_rope_kernel_matches_modules(tokens):
+    g = torch.Generator().manual_seed(tokens)
+    heads, kv_heads, head_dim = 16, 8, 128
+    q_norm, k_norm = RMSNorm(head_dim), RMSNorm(head_dim)
+    for n in (q_norm, k_norm):
+        n.weight.data = (1 + 0.1 * torch.randn(head_dim, generator=g)).bfloat16()
+    rope = RotaryEmbedding(head_dim, 4096, 1e6)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).bfloat16()
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)  # strided views
+    positions = torch.randint(0, 4096, (tokens,), generator=g)
+    with torch.inference_mode():
+        ref_q = q_norm._norm(q.unflatten(-1, (heads, head_dim)))
+        ref_k = k_norm._norm(k.unflatten(-1, (kv_heads, head_dim)))
+        ref_q, ref_k = rope(positions, ref_q, ref_k)
+        got_q, got_k = cpu_kernels.qk_norm_rope(q, k, q_norm.weight, k_norm.weight, q_norm.eps, positions,
+                                                rope.cos_sin, head_dim)
+    mismatches = _bf16_mismatches(got_q, ref_q) + _bf16_mismatches(got_k, ref_k)
+    assert mismatches <= (ref_q.numel() + ref_k.numel()) // 1000
+
+
+def test_small_kernels_decline_what_they_do_not_cover():
+    x = torch.randn(4, 64)  # float32: the PyTorch module runs
+    assert cpu_kernels.rms_norm(x, torch.ones(64), 1e-6) is None
