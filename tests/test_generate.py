@@ -120,3 +120,18 @@ def test_prompt_forms_and_order(tiny_model):
     assert [len(o.outputs[0].token_ids) for o in many] == [4, 2, 4]
     assert all(o.outputs[0].text == llm.tokenizer.decode(o.outputs[0].token_ids, skip_special_tokens=True)
                for o in many)
+
+
+def test_pure_pytorch_path_matches_hf(model_dirs, hf, monkeypatch):
+    """The fallback where no C compiler exists: PyTorch attention and PyTorch small ops."""
+    from nanoserve.kernels import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "_lib", None)
+    monkeypatch.setattr(cpu_kernels, "_load_attempted", True)
+    path = model_dirs["untied-gqa4"]
+    prompts = random_prompts(4, 3, 40, seed=77)
+    llm = make_llm(path, attention_backend="torch")
+    assert llm.engine.model_runner.backend.name == "torch"
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert_matches_hf(hf, path, prompts, outputs, 32)
+    assert_no_leak(llm)
