@@ -31,9 +31,9 @@ def supports(dtype: torch.dtype) -> bool:
     return dtype in _DTYPE_CODES
 
 
-# One entry per kind: the tiles of the step being run, reused by every layer. The cache holds the
-# metadata tensors it was built from, so `is` identifies the same step (their ids cannot be reused
-# while they are referenced here).
+# The varlen tiles of the step being run, reused by every layer. The entry holds the metadata
+# tensors it was built from, so `is` identifies the same step (their ids cannot be reused while
+# they are referenced here).
 _tile_cache: dict[str, tuple] = {}
 
 
@@ -108,10 +108,11 @@ def paged_attention_decode_cpu(
         kv_per_item = next(d for d in range(kv_per_item - 1, 0, -1) if num_kv_heads % d == 0)
     bt = block_tables.to(torch.int32).contiguous()
     lens = context_lens.to(torch.int32).contiguous()
+    max_keys = int(lens.max())  # sizes the kernel's scratch: taken from the lengths themselves
     with torch.profiler.record_function("nanoserve::cpu_paged_attention_decode"):
         err = lib.paged_decode_f32(
             qf.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _DTYPE_CODES[k_cache.dtype],
-            bt.data_ptr(), bt.shape[1], lens.data_ptr(), num_seqs, max_context_len, num_heads, num_kv_heads,
+            bt.data_ptr(), bt.shape[1], lens.data_ptr(), num_seqs, max_keys, num_heads, num_kv_heads,
             head_dim, block_size, kv_per_item, scale, threads,
         )
     if err:
