@@ -6,6 +6,7 @@ import os
 import random
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from transformers import AutoTokenizer
 
@@ -35,11 +36,21 @@ class Request:
         return self.num_finished == len(self.seqs)
 
 
+class StepEntry(NamedTuple):
+    """One sequence's share of a step: what a benchmark needs to model the step's cost."""
+
+    request_id: str
+    num_computed_tokens: int  # tokens with K/V in the cache before the step
+    num_new_tokens: int
+    sampled: bool  # did the sequence get a new token this step
+
+
 @dataclass
 class StepStats:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     finished: list[RequestOutput] = field(default_factory=list)
+    entries: list[StepEntry] = field(default_factory=list)
 
 
 def read_generation_config(model_dir: str) -> dict:
@@ -158,10 +169,14 @@ class LLMEngine:
 
     def step(self) -> StepStats:
         batch = self.scheduler.schedule()
+        entries = [
+            StepEntry(seq.request_id, seq.num_computed_tokens, n, samples)
+            for seq, n, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples)
+        ]
         out = self.model_runner.run(batch)
         got_token = self.scheduler.postprocess(batch, out.token_ids)
         now = time.perf_counter()
-        stats = StepStats(*self._count_tokens(batch))
+        stats = StepStats(*self._count_tokens(batch), entries=entries)
         for i, seq in enumerate(got_token):
             request = self.requests[seq.request_id]
             if request.metrics.first_token_time is None:
