@@ -5,21 +5,12 @@ import json
 import os
 from dataclasses import dataclass, field, fields
 
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
+from nanoserve.models import SUPPORTED_ARCHITECTURES
+
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKENDS = ("auto", "torch", "flash_attn", "triton")
+ATTENTION_BACKENDS = ("auto", "cpu", "torch", "flash_attn", "triton")  # see nanoserve/backends
 WEIGHT_SUFFIXES = (".safetensors",)
-
-
-def default_block_size(device: str, attention_backend: str) -> int:
-    import torch
-
-    from nanoserve.kernels.flash_attn import flash_attn_available
-
-    on_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-    wants_flash = attention_backend in ("auto", "flash_attn")
-    return 256 if on_cuda and wants_flash and flash_attn_available() else 16
 
 
 @dataclass
@@ -32,7 +23,7 @@ class Config:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None  # None = min(4096, max_position_embeddings)
-    kvcache_block_size: int | None = None  # None = 256 where flash-attn runs (its paged-KV minimum), else 16
+    kvcache_block_size: int | None = None  # None = the backend's: 256 where flash-attn runs (its paged-KV minimum), else 16
     num_kvcache_blocks: int | None = None  # None = derived from the memory budget below
     gpu_memory_utilization: float = 0.9
     cpu_kvcache_space_gib: float = 4.0  # the CPU KV budget, like vLLM's VLLM_CPU_KVCACHE_SPACE
@@ -48,8 +39,6 @@ class Config:
     def __post_init__(self) -> None:
         self._check_model_dir()
         self._check_choices()
-        if self.kvcache_block_size is None:
-            self.kvcache_block_size = default_block_size(self.device, self.attention_backend)
         self._check_ints()
         self.hf_config = self._read_hf_config()
         arch = (self.hf_config.get("architectures") or [None])[0]
@@ -114,7 +103,7 @@ class Config:
         }
         for name, lo in minimums.items():
             value = getattr(self, name)
-            if value is None and name in ("max_model_len", "num_kvcache_blocks"):
+            if value is None and name in ("max_model_len", "num_kvcache_blocks", "kvcache_block_size"):
                 continue
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"{name} must be an int, got {value!r}")

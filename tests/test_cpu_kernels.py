@@ -6,14 +6,31 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import as_fp32_batch, make_paged_batch, naive_paged_attention
+from nanoserve.backends.base import Backend
+from nanoserve.backends.cpu import SKINNY_MAX_ROWS
 from nanoserve.kernels import cpu_attention as ca
 from nanoserve.kernels import cpu_kernels
-from nanoserve.kernels.cpu import CPUWeight
-from nanoserve.layers.layernorm import RMSNorm
+from nanoserve.kernels.cpu_gemm import CPUWeight
+from nanoserve.layers.context import ModelContext
 from nanoserve.layers.rotary_embedding import RotaryEmbedding
-from test_kernels import as_fp32_batch, decode_args, make_paged_batch, naive_paged_attention, varlen_args
 
-needs_kernel = pytest.mark.skipif(not ca.available(), reason="no C compiler: the CPU attention kernel is not built")
+LIB = cpu_kernels.load()
+KERNELS = cpu_kernels.CPUKernels(LIB) if LIB is not None else None
+REFERENCE = Backend(torch.device("cpu"), torch.bfloat16)
+needs_kernel = pytest.mark.skipif(LIB is None, reason="no C compiler: the CPU kernels are not built")
+
+
+def varlen_cpu(b: dict) -> torch.Tensor:
+    """The varlen C kernel on every query run, however long (the backend sends long ones to SDPA)."""
+    tiles = ca.varlen_tiles(b["cu_seqlens_q"], b["context_lens"])
+    return ca.paged_attention_varlen_cpu(LIB, b["q"], b["k_cache"], b["v_cache"], b["block_tables"], tiles, b["scale"])
+
+
+def decode_cpu(b: dict) -> torch.Tensor:
+    return ca.paged_attention_decode_cpu(
+        LIB, b["q"], b["k_cache"], b["v_cache"], b["block_tables"], b["context_lens"], b["scale"]
+    )
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Max abs error against float64 attention over the same (rounded) inputs; bf16/fp16 round the output.
@@ -34,11 +51,10 @@ CASES = {
 @needs_kernel
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("name", list(CASES))
-def test_varlen_kernel_matches_naive(name, dtype, monkeypatch):
-    monkeypatch.setattr(ca, "VARLEN_MAX_Q", 1 << 30)  # always the C kernel, never the SDPA fallback
+def test_varlen_kernel_matches_naive(name, dtype):
     seqs, heads, kv_heads, head_dim, block_size = CASES[name]
     b = make_paged_batch(seqs, heads, kv_heads, head_dim, block_size, dtype=DTYPES[dtype])
-    got = ca.paged_attention_varlen_cpu(*varlen_args(b))
+    got = varlen_cpu(b)
     assert got.dtype == DTYPES[dtype] and got.shape == b["q"].shape
     torch.testing.assert_close(got.double(), naive_paged_attention(as_fp32_batch(b)), atol=ATOL[dtype], rtol=0)
 
@@ -49,7 +65,7 @@ def test_varlen_kernel_matches_naive(name, dtype, monkeypatch):
 def test_decode_kernel_matches_naive(name, dtype):
     seqs, heads, kv_heads, head_dim, block_size = CASES[name]
     b = make_paged_batch([(1, ctx) for _, ctx in seqs], heads, kv_heads, head_dim, block_size, dtype=DTYPES[dtype])
-    got = ca.paged_attention_decode_cpu(*decode_args(b))
+    got = decode_cpu(b)
     torch.testing.assert_close(got.double(), naive_paged_attention(as_fp32_batch(b)), atol=ATOL[dtype], rtol=0)
 
 
@@ -57,18 +73,19 @@ def test_decode_kernel_matches_naive(name, dtype):
 def test_decode_kernel_splits_kv_heads_for_few_sequences():
     # One sequence: work is split across KV heads so no thread idles; the result must not change.
     b = make_paged_batch([(1, 50)], 16, 8, 128, 16)
-    torch.testing.assert_close(ca.paged_attention_decode_cpu(*decode_args(b)).double(),
+    torch.testing.assert_close(decode_cpu(b).double(),
                                naive_paged_attention(b), atol=1e-5, rtol=0)
 
 
-@needs_kernel
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_varlen_long_queries_run_sdpa_per_sequence(dtype):
     # Past VARLEN_MAX_Q query tokens: SDPA per sequence, is_causal without a prefix, a mask with one.
     n = ca.VARLEN_MAX_Q
     seqs = [(n + 5, n + 5), (n + 1, n + 40), (3, 3), (1, 17), (2 * n, 2 * n)]
     b = make_paged_batch(seqs, 8, 2, 32, 8, dtype=DTYPES[dtype])
-    got = ca.paged_attention_varlen_cpu(*varlen_args(b))
+    got = ca.varlen_sdpa_per_sequence(
+        b["q"], b["k_cache"], b["v_cache"], b["cu_seqlens_q"], b["context_lens"], b["block_tables"], b["scale"]
+    )
     assert got.dtype == DTYPES[dtype]
     torch.testing.assert_close(got.double(), naive_paged_attention(as_fp32_batch(b)), atol=ATOL[dtype], rtol=0)
 
@@ -81,15 +98,12 @@ def test_cpu_weight_matches_f32_linear(dtype, rows, out_features, in_features):
     weight = torch.randn(out_features, in_features, generator=g).to(dtype)
     bias = torch.randn(out_features, generator=g).to(dtype)
     x = torch.randn(rows, in_features, generator=g).to(dtype)
-    got = CPUWeight(weight, bias)(x)
+    got = CPUWeight(weight, bias, KERNELS, SKINNY_MAX_ROWS)(x)
     ref = F.linear(x.double(), weight.double(), bias.double())  # exact products of the rounded inputs
     assert got.dtype == dtype and got.shape == (rows, out_features)
     # Float32 accumulation, then one rounding to dtype: at most one ulp of the output dtype off.
     tol = {torch.float32: 1e-4, torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}[dtype]
     torch.testing.assert_close(got.double(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
-
-
-needs_library = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler: CPU kernels are not built")
 
 
 def _bf16_mismatches(got: torch.Tensor, ref: torch.Tensor) -> int:
@@ -101,49 +115,44 @@ def _bf16_mismatches(got: torch.Tensor, ref: torch.Tensor) -> int:
     return int((diff > 0).sum())
 
 
-@needs_library
+@needs_kernel
 @pytest.mark.parametrize("rows", [1, 16, 300])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm_kernel_matches_module(rows, with_residual):
     g = torch.Generator().manual_seed(rows)
-    norm = RMSNorm(1024, eps=1e-6)
-    norm.weight.data = (1 + 0.1 * torch.randn(1024, generator=g)).bfloat16()
+    weight, eps = (1 + 0.1 * torch.randn(1024, generator=g)).bfloat16(), 1e-6
     x = (3 * torch.randn(rows, 1024, generator=g)).bfloat16()
     residual = torch.randn(rows, 1024, generator=g).bfloat16() if with_residual else None
     with torch.inference_mode():
-        got = cpu_kernels.rms_norm(x, norm.weight, norm.eps, residual)
+        got = KERNELS.rms_norm(x, weight, eps, residual)
         if with_residual:
             ref_residual = x + residual
-            ref = norm._norm(ref_residual)
+            ref = REFERENCE.rms_norm(ref_residual, weight, eps)
             got, got_residual = got
             assert torch.equal(got_residual, ref_residual)
         else:
-            ref = norm._norm(x)
+            ref = REFERENCE.rms_norm(x, weight, eps)
     assert _bf16_mismatches(got, ref) <= ref.numel() // 1000
 
 
-@needs_library
+@needs_kernel
 @pytest.mark.parametrize("tokens", [1, 16, 300])
 def test_qk_norm_rope_kernel_matches_modules(tokens):
     g = torch.Generator().manual_seed(tokens)
-    heads, kv_heads, head_dim = 16, 8, 128
-    q_norm, k_norm = RMSNorm(head_dim), RMSNorm(head_dim)
-    for n in (q_norm, k_norm):
-        n.weight.data = (1 + 0.1 * torch.randn(head_dim, generator=g)).bfloat16()
-    rope = RotaryEmbedding(head_dim, 4096, 1e6)
+    heads, kv_heads, head_dim, eps = 16, 8, 128, 1e-6
+    q_weight, k_weight = ((1 + 0.1 * torch.randn(head_dim, generator=g)).bfloat16() for _ in range(2))
+    cos_sin = RotaryEmbedding(head_dim, 4096, 1e6, None, ModelContext(REFERENCE)).cos_sin
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).bfloat16()
     q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)  # strided views
     positions = torch.randint(0, 4096, (tokens,), generator=g)
     with torch.inference_mode():
-        ref_q = q_norm._norm(q.unflatten(-1, (heads, head_dim)))
-        ref_k = k_norm._norm(k.unflatten(-1, (kv_heads, head_dim)))
-        ref_q, ref_k = rope(positions, ref_q, ref_k)
-        got_q, got_k = cpu_kernels.qk_norm_rope(q, k, q_norm.weight, k_norm.weight, q_norm.eps, positions,
-                                                rope.cos_sin, head_dim)
+        ref_q, ref_k = REFERENCE.rotary(positions, q, k, cos_sin, head_dim, (q_weight, k_weight, eps))
+        got_q, got_k = KERNELS.qk_norm_rope(q, k, q_weight, k_weight, eps, positions, cos_sin, head_dim)
     mismatches = _bf16_mismatches(got_q, ref_q) + _bf16_mismatches(got_k, ref_k)
     assert mismatches <= (ref_q.numel() + ref_k.numel()) // 1000
 
 
+@needs_kernel
 def test_small_kernels_decline_what_they_do_not_cover():
     x = torch.randn(4, 64)  # float32: the PyTorch module runs
-    assert cpu_kernels.rms_norm(x, torch.ones(64), 1e-6) is None
+    assert KERNELS.rms_norm(x, torch.ones(64), 1e-6) is None

@@ -2,29 +2,10 @@
 import pytest
 
 from conftest import random_prompts
-from nanoserve import LLM, SamplingParams
+from helpers import assert_matches_hf, assert_no_leak, make_llm
+from nanoserve import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-
-
-def make_llm(path, **kw):
-    kw = {"device": "cpu", "dtype": "float32", "kvcache_block_size": 8, "num_kvcache_blocks": 256,
-          "max_model_len": 512, **kw}
-    return LLM(path, **kw)
-
-
-def assert_no_leak(llm: LLM) -> None:
-    """Every block is free or held only by the prefix cache; nothing is referenced."""
-    bm = llm.engine.block_manager
-    assert all(block.ref_count == 0 for block in bm.pool.blocks)
-    assert bm.num_free_blocks == bm.pool.num_blocks
-    bm.check_integrity([])
-
-
-def assert_matches_hf(hf, path, prompts, outputs, max_tokens):
-    for prompt, out in zip(prompts, outputs):
-        assert out.prompt_token_ids == prompt
-        assert out.outputs[0].token_ids == hf.greedy(path, prompt, max_tokens)
 
 
 @pytest.mark.parametrize("config", ["tied-gqa2", "untied-gqa4"])
@@ -122,12 +103,8 @@ def test_prompt_forms_and_order(tiny_model):
                for o in many)
 
 
-def test_pure_pytorch_path_matches_hf(model_dirs, hf, monkeypatch):
-    """The fallback where no C compiler exists: PyTorch attention and PyTorch small ops."""
-    from nanoserve.kernels import cpu_kernels
-
-    monkeypatch.setattr(cpu_kernels, "_lib", None)
-    monkeypatch.setattr(cpu_kernels, "_load_attempted", True)
+def test_pure_pytorch_path_matches_hf(model_dirs, hf):
+    """The pure-PyTorch reference backend: PyTorch attention and PyTorch small ops."""
     path = model_dirs["untied-gqa4"]
     prompts = random_prompts(4, 3, 40, seed=77)
     llm = make_llm(path, attention_backend="torch")
@@ -135,3 +112,23 @@ def test_pure_pytorch_path_matches_hf(model_dirs, hf, monkeypatch):
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert_matches_hf(hf, path, prompts, outputs, 32)
     assert_no_leak(llm)
+
+
+def test_cpu_backend_without_c_kernels_matches_hf(model_dirs, hf, monkeypatch):
+    """Where no C compiler exists (or NANOSERVE_CPU_KERNELS=0): the CPU backend's PyTorch paths."""
+    monkeypatch.setenv("NANOSERVE_CPU_KERNELS", "0")
+    path = model_dirs["untied-gqa4"]
+    prompts = random_prompts(4, 3, 40, seed=78)
+    llm = make_llm(path)
+    backend = llm.engine.model_runner.backend
+    assert backend.name == "cpu" and backend.describe()["attention"] == "torch SDPA"
+    assert backend.describe()["fused ops"] == "torch"
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert_matches_hf(hf, path, prompts, outputs, 32)
+    assert_no_leak(llm)
+
+
+def test_bad_cpu_switch_is_a_clear_error(tiny_model, monkeypatch):
+    monkeypatch.setenv("NANOSERVE_CPU_GEMM", "fast")
+    with pytest.raises(ValueError, match="NANOSERVE_CPU_GEMM must be auto, fp32 or native"):
+        make_llm(tiny_model)

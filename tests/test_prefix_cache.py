@@ -2,8 +2,8 @@
 import pytest
 
 from conftest import random_prompts
-from nanoserve import LLM, SamplingParams
-from test_generate import assert_matches_hf, assert_no_leak, make_llm
+from nanoserve import SamplingParams
+from helpers import assert_matches_hf, assert_no_leak, make_llm
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 

@@ -5,8 +5,8 @@ import shutil
 import pytest
 
 from conftest import random_prompts
-from nanoserve import LLM, SamplingParams
-from test_generate import assert_no_leak, make_llm
+from nanoserve import SamplingParams
+from helpers import assert_no_leak, make_llm
 
 
 @pytest.fixture(scope="module")

@@ -53,9 +53,9 @@ def assert_gone(pids, timeout=10.0):
 def test_channel_packs_tensors_as_raw_bytes_and_checks_size(monkeypatch):
     import torch
 
-    from nanoserve.engine import tp_executor
-    from nanoserve.engine.model_runner import ModelInputs
-    from nanoserve.layers.attention import AttentionMetadata
+    from nanoserve.backends.metadata import AttentionMetadata
+    from nanoserve.distributed import channel
+    from nanoserve.engine.model_inputs import ModelInputs
 
     meta = AttentionMetadata(
         slot_mapping=torch.tensor([3, -1, 17]), num_decode_tokens=1,
@@ -66,35 +66,41 @@ def test_channel_packs_tensors_as_raw_bytes_and_checks_size(monkeypatch):
         prefill_context_lens=torch.tensor([2], dtype=torch.int32), prefill_max_seqlen_q=2, prefill_max_context_len=2,
     )
     inputs = ModelInputs(torch.tensor([9, 8, 7]), torch.tensor([4, 0, 1]), meta, torch.tensor([0, 2]))
-    packed = tp_executor.pack(inputs)
+    packed = channel.pack(inputs)
     assert not any(isinstance(v, torch.Tensor) for v in vars(packed.meta).values())
-    kind, payload = pickle.loads(tp_executor.encode_message("step", packed))
-    out = tp_executor.unpack(payload)
+    kind, payload = pickle.loads(channel.encode_message("step", packed))
+    out = channel.unpack(payload)
     assert kind == "step" and out.meta.decode_max_context_len == 5
     for a, b in [(out.input_ids, inputs.input_ids), (out.meta.slot_mapping, meta.slot_mapping),
                  (out.meta.decode_block_tables, meta.decode_block_tables),
                  (out.meta.prefill_block_tables, meta.prefill_block_tables)]:
         assert a.dtype == b.dtype and torch.equal(a, b)
     half = torch.randn(3, 2).to(torch.bfloat16)
-    assert torch.equal(tp_executor.unpack(tp_executor.pack(half)), half)
+    assert torch.equal(channel.unpack(channel.pack(half)), half)
 
-    monkeypatch.setattr(tp_executor, "MAX_MESSAGE_BYTES", 1000)
+    monkeypatch.setattr(channel, "MAX_MESSAGE_BYTES", 1000)
     with pytest.raises(ValueError, match="MAX_MESSAGE_BYTES=1000"):
-        tp_executor.encode_message("step", tp_executor.pack(torch.zeros(1000)))
+        channel.encode_message("step", channel.pack(torch.zeros(1000)))
 
 
-def test_ranks_agree_on_the_smallest_kv_cache(tiny_model, monkeypatch):
+class _OtherRankHas25Blocks:
+    """A group whose other rank could afford only 25 KV blocks."""
+
+    def all_reduce(self, t, op):
+        return t.clamp_(max=25) if op == "min" else t
+
+
+def test_ranks_agree_on_the_smallest_kv_cache(tiny_model):
     """A rank that could afford more blocks than another shrinks its cache to the agreed minimum."""
     import torch
 
     from nanoserve.config import Config
-    from nanoserve.engine import tp_executor
+    from nanoserve.distributed.worker import agree_num_kvcache_blocks
     from nanoserve.engine.model_runner import ModelRunner
 
     config = Config(tiny_model, device="cpu", dtype="float32", num_kvcache_blocks=40, max_model_len=64)
     runner = ModelRunner(config, torch.device("cpu"), [])
-    monkeypatch.setattr(tp_executor, "all_reduce", lambda t, op: t.fill_(25) if op == "min" else t)
-    assert tp_executor.agree_num_kvcache_blocks(runner) == 25
+    assert agree_num_kvcache_blocks(runner, _OtherRankHas25Blocks()) == 25
     assert runner.num_kvcache_blocks == 25 and runner.kv_cache.shape[2] == 25
     assert all(a.k_cache.data_ptr() == runner.kv_cache[0, i].data_ptr() and a.k_cache.shape[0] == 25
                for i, a in enumerate(runner.attention_layers))

@@ -26,11 +26,12 @@ lets the pure-Python parts (buckets, buffer sizing, padding) be tested on CPU.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from nanoserve.layers.attention import AttentionMetadata
+from nanoserve.backends.metadata import AttentionMetadata
 
 SMALL_BUCKETS = (1, 2, 4, 8, 16)
 BUCKET_STEP = 16
@@ -159,13 +160,13 @@ class StaticBuffers:
 
 
 class CUDAGraphRunner:
-    """Captured decode graphs for one model, one per bucket, replayed with padded static inputs."""
+    """Captured decode graphs for one model's forward, one per bucket, replayed with padded static inputs."""
 
-    def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_model_len: int, block_size: int,
-                 device: torch.device) -> None:
+    def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
+                 max_num_seqs: int, max_model_len: int, block_size: int, device: torch.device) -> None:
         if device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
-        self.model = model
+        self.forward = forward  # (input_ids, positions, meta) -> hidden states: the transformer body
         self.device = device
         self.buckets = graph_batch_sizes(max_num_seqs)
         self.buffers = StaticBuffers.allocate(max_num_seqs, max_model_len, block_size, device)
@@ -178,7 +179,7 @@ class CUDAGraphRunner:
 
     def _forward(self, bucket: int) -> torch.Tensor:
         b = self.buffers
-        return self.model(b.input_ids[:bucket], b.positions[:bucket], b.metadata(bucket))
+        return self.forward(b.input_ids[:bucket], b.positions[:bucket], b.metadata(bucket))
 
     @torch.inference_mode()
     def capture(self) -> None:

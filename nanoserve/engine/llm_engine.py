@@ -79,14 +79,13 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.model_runner = self._make_runner()
         self.num_kvcache_blocks = self.model_runner.num_kvcache_blocks
+        self.block_size = self.model_runner.block_size  # the config's, or the backend's preferred one
         try:
             self._check_kv_cache_fits()
         except ValueError:
             self.close()  # TP workers must not outlive a failed start
             raise
-        self.block_manager = BlockManager(
-            self.num_kvcache_blocks, config.kvcache_block_size, config.enable_prefix_caching
-        )
+        self.block_manager = BlockManager(self.num_kvcache_blocks, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill
         )
@@ -97,13 +96,13 @@ class LLMEngine:
 
     def _make_runner(self) -> ModelRunner:
         if self.config.tensor_parallel_size > 1:
-            from nanoserve.engine.tp_executor import TPModelRunner
+            from nanoserve.distributed.executor import TPModelRunner
 
             return TPModelRunner(self.config, self.device, self.eos_token_ids)
         return ModelRunner(self.config, self.device, self.eos_token_ids)
 
     def _check_kv_cache_fits(self) -> None:
-        block_size = self.config.kvcache_block_size
+        block_size = self.block_size
         needed = (self.config.max_model_len + block_size - 1) // block_size
         if self.num_kvcache_blocks < needed:
             raise ValueError(

@@ -1,46 +1,40 @@
-"""CPU paged attention with the torch backends' signatures: the C kernels of cpu_kernels.c.
+"""CPU paged attention: the C kernels of cpu_kernels.c behind the torch references' semantics.
 
-Decode always runs the C kernel; varlen (prefill, chunks) runs it for short query runs and SDPA
-per sequence for long ones, where SDPA's blocked GEMMs win.
-NANOSERVE_CPU_ATTENTION=torch keeps the PyTorch path for attention only.
+Decode runs the C decode kernel. Varlen (prefill, chunks) runs the C kernel over tiles of query
+tokens for short query runs and SDPA per sequence for long ones, where SDPA's blocked GEMMs win.
+The tiles depend only on the step's metadata, so the CPU backend builds them once per step
+(`varlen_tiles`) and every layer reuses them. Both compute in float32 whatever the cache dtype.
 """
 from __future__ import annotations
 
-import os
+import ctypes
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from nanoserve.kernels import cpu_kernels
-
 # Measured on a 2-core AVX2 CPU: from ~64 query tokens per sequence SDPA on the gathered copy wins.
 VARLEN_MAX_Q = 32
 TILE = 32  # query tokens per prefill work item: each K/V row widened once serves TILE * G query rows
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
-def _load():
-    return cpu_kernels.load()
+class VarlenTiles(NamedTuple):
+    """Work items of the varlen C kernel: tile t covers `length[t]` query tokens of sequence `seq[t]`
+    starting at packed token `start[t]`; its first token sees `nkeys0[t]` keys."""
+
+    seq: torch.Tensor  # [num_tiles] int32
+    start: torch.Tensor  # [num_tiles] int32
+    length: torch.Tensor  # [num_tiles] int32
+    nkeys0: torch.Tensor  # [num_tiles] int32
+    max_keys: int  # the most keys any query token sees (sizes the kernel's scratch)
+
+    @property
+    def num_tiles(self) -> int:
+        return self.seq.shape[0]
 
 
-def available() -> bool:
-    return os.environ.get("NANOSERVE_CPU_ATTENTION", "auto") != "torch" and _load() is not None
-
-
-def supports(dtype: torch.dtype) -> bool:
-    return dtype in _DTYPE_CODES
-
-
-# The varlen tiles of the step being run, reused by every layer. The entry holds the metadata
-# tensors it was built from, so `is` identifies the same step (their ids cannot be reused while
-# they are referenced here).
-_tile_cache: dict[str, tuple] = {}
-
-
-def _varlen_tiles(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor) -> tuple:
-    hit = _tile_cache.get("varlen")
-    if hit is not None and hit[0] is cu_seqlens_q and hit[1] is context_lens:
-        return hit[2]
+def varlen_tiles(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor) -> VarlenTiles:
     cu = cu_seqlens_q.long()
     q_lens = cu[1:] - cu[:-1]
     num_tiles = (q_lens + TILE - 1) // TILE
@@ -51,9 +45,7 @@ def _varlen_tiles(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor) -> tup
     length = torch.minimum(q_lens[seq] - k * TILE, torch.tensor(TILE))
     nkeys0 = (context_lens.long() - q_lens)[seq] + k * TILE + 1
     max_keys = int((nkeys0 + length - 1).max()) if seq.numel() else 0
-    tiles = (seq.int(), start.int(), length.int(), nkeys0.int(), seq.shape[0], TILE, max_keys)
-    _tile_cache["varlen"] = (cu_seqlens_q, context_lens, tiles)
-    return tiles
+    return VarlenTiles(seq.int(), start.int(), length.int(), nkeys0.int(), max_keys)
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -61,23 +53,29 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         raise ValueError("the CPU attention kernel needs contiguous K/V cache views of one dtype")
 
 
-def _run(q, k_cache, v_cache, block_tables, tiles, scale) -> torch.Tensor:
-    lib = _load()
-    seq, start, length, nkeys0, num_tiles, max_tile_len, max_keys = tiles
+def paged_attention_varlen_cpu(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    tiles: VarlenTiles,
+    scale: float,
+) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     _check_cache(k_cache, v_cache)
     qf = q.to(torch.float32).contiguous()
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)
-    if num_tiles == 0:
+    if tiles.num_tiles == 0:
         return out.to(q.dtype)
     bt = block_tables.to(torch.int32).contiguous()
     with torch.profiler.record_function("nanoserve::cpu_paged_attention_varlen"):
         err = lib.paged_attention_f32(
-            qf.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _DTYPE_CODES[k_cache.dtype],
-            bt.data_ptr(), bt.shape[1], seq.data_ptr(), start.data_ptr(), length.data_ptr(), nkeys0.data_ptr(),
-            num_tiles, max_tile_len, max_keys, num_heads, num_kv_heads, head_dim, block_size, scale,
-            torch.get_num_threads(),
+            qf.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), DTYPE_CODES[k_cache.dtype],
+            bt.data_ptr(), bt.shape[1], tiles.seq.data_ptr(), tiles.start.data_ptr(), tiles.length.data_ptr(),
+            tiles.nkeys0.data_ptr(), tiles.num_tiles, TILE, tiles.max_keys, num_heads, num_kv_heads, head_dim,
+            block_size, scale, torch.get_num_threads(),
         )
     if err:
         raise MemoryError("the CPU attention kernel could not allocate its scratch buffers")
@@ -85,15 +83,14 @@ def _run(q, k_cache, v_cache, block_tables, tiles, scale) -> torch.Tensor:
 
 
 def paged_attention_decode_cpu(
+    lib: ctypes.CDLL,
     q: torch.Tensor,  # [num_seqs, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     context_lens: torch.Tensor,  # [num_seqs]
-    max_context_len: int,
     scale: float,
 ) -> torch.Tensor:
-    lib = _load()
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     _check_cache(k_cache, v_cache)
@@ -111,7 +108,7 @@ def paged_attention_decode_cpu(
     max_keys = int(lens.max())  # sizes the kernel's scratch: taken from the lengths themselves
     with torch.profiler.record_function("nanoserve::cpu_paged_attention_decode"):
         err = lib.paged_decode_f32(
-            qf.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _DTYPE_CODES[k_cache.dtype],
+            qf.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), DTYPE_CODES[k_cache.dtype],
             bt.data_ptr(), bt.shape[1], lens.data_ptr(), num_seqs, max_keys, num_heads, num_kv_heads,
             head_dim, block_size, kv_per_item, scale, threads,
         )
@@ -120,23 +117,15 @@ def paged_attention_decode_cpu(
     return out.to(q.dtype)
 
 
-def paged_attention_varlen_cpu(
+def varlen_sdpa_per_sequence(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     cu_seqlens_q: torch.Tensor,  # [num_seqs + 1]
     context_lens: torch.Tensor,  # [num_seqs]
     block_tables: torch.Tensor,  # [num_seqs, max_blocks]
-    max_seqlen_q: int,
-    max_context_len: int,
     scale: float,
 ) -> torch.Tensor:
-    if max_seqlen_q > VARLEN_MAX_Q:  # long query runs: SDPA's blocked GEMMs beat the C kernel
-        return _varlen_sdpa_per_sequence(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale)
-    return _run(q, k_cache, v_cache, block_tables, _varlen_tiles(cu_seqlens_q, context_lens), scale)
-
-
-def _varlen_sdpa_per_sequence(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale) -> torch.Tensor:
     """SDPA once per sequence on its own blocks, in float32: no padding to the longest sequence,
     and a prompt without cached prefix runs is_causal, which lets SDPA skip the masked half.
     (paged_attention_varlen_torch pads every sequence to the longest and masks explicitly.)"""

@@ -3,11 +3,11 @@
 The source is compiled once per machine with the system C compiler (`cc -O3 -march=native
 -fopenmp`) into $NANOSERVE_CACHE/kernels (default ~/.cache/nanoserve/kernels, keyed by the source,
 the flags and the CPU) and loaded with ctypes; it links the OpenMP runtime torch has already
-loaded. Where no compiler is found or the build fails, `load()` returns None and every caller
-keeps its PyTorch path. NANOSERVE_CPU_KERNELS=0 switches the kernels off.
+loaded. Where no compiler is found or the build fails, `load()` returns None and the CPU backend
+keeps its PyTorch paths (it also decides whether to load them at all: NANOSERVE_CPU_KERNELS).
 
-This module also holds the wrappers of the small fused ops (RMSNorm with residual, q/k norm +
-RoPE) and of the skinny bf16 GEMM; attention lives in cpu_attention.py.
+`CPUKernels` binds the small fused ops (RMSNorm with residual, q/k norm + RoPE) and the skinny
+bf16 GEMM to a loaded library; attention lives in cpu_attention.py.
 """
 from __future__ import annotations
 
@@ -82,8 +82,6 @@ def load() -> ctypes.CDLL | None:
         if _load_attempted:
             return _lib
         _load_attempted = True
-        if os.environ.get("NANOSERVE_CPU_KERNELS", "1") == "0":
-            return None
         cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
         if cc is None:
             logger.info("no C compiler found: the CPU kernels fall back to PyTorch")
@@ -102,85 +100,85 @@ def load() -> ctypes.CDLL | None:
         return _lib
 
 
-def available() -> bool:
-    return load() is not None
-
-
 def _usable(*tensors: torch.Tensor) -> bool:
-    """bf16 CPU tensors, outside autograd (the kernels write raw memory), with the library built."""
-    return (
-        all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors)
-        and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
-        and load() is not None
+    """bf16 CPU tensors outside autograd (the kernels write raw memory)."""
+    return all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors) and not (
+        torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     )
 
 
-def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
-    """RMSNorm over the last dim (residual added first, as layers.layernorm.RMSNorm does) for bf16;
-    None when the kernel does not apply (the caller runs the PyTorch module)."""
-    if not _usable(x, weight, *([residual] if residual is not None else [])):
-        return None
-    dim = x.shape[-1]
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    new_residual = None
-    if residual is not None:
-        residual = residual.contiguous()
-        new_residual = torch.empty_like(x)
-    with torch.profiler.record_function("nanoserve::cpu_rms_norm"):
-        load().rms_norm_bf16(
-            x.data_ptr(), residual.data_ptr() if residual is not None else None,
-            new_residual.data_ptr() if new_residual is not None else None, weight.contiguous().data_ptr(),
-            out.data_ptr(), x.numel() // dim, dim, eps, torch.get_num_threads(),
-        )
-    return out if residual is None else (out, new_residual)
+class CPUKernels:
+    """The fused ops of cpu_kernels.c on a loaded library. Each returns None where it does not
+    apply (dtype, layout), and the caller runs its PyTorch path."""
 
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
 
-def qk_norm_rope(
-    q: torch.Tensor,  # [tokens, num_q_heads * head_dim], rows may be strided (a slice of qkv)
-    k: torch.Tensor,  # [tokens, num_k_heads * head_dim], same row stride as q
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
-    eps: float,
-    positions: torch.Tensor,  # [tokens] int64
-    cos_sin: torch.Tensor,  # [max_pos, head_dim] float32
-    head_dim: int,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """q_norm / k_norm per head then RoPE, for bf16; q [T, Hq, D], k [T, Hk, D] out, or None."""
-    if not _usable(q, k, q_weight, k_weight) or cos_sin.dtype != torch.float32:
-        return None
-    if q.stride(-1) != 1 or k.stride(-1) != 1 or q.stride(0) != k.stride(0):
-        return None
-    tokens = q.shape[0]
-    hq, hk = q.shape[1] // head_dim, k.shape[1] // head_dim
-    q_out = torch.empty(tokens, hq, head_dim, dtype=q.dtype)
-    k_out = torch.empty(tokens, hk, head_dim, dtype=k.dtype)
-    positions = positions.to(torch.int64).contiguous()
-    with torch.profiler.record_function("nanoserve::cpu_qk_norm_rope"):
-        load().qk_norm_rope_bf16(
-            q.data_ptr(), k.data_ptr(), q.stride(0), q_out.data_ptr(), k_out.data_ptr(),
-            q_weight.contiguous().data_ptr(), k_weight.contiguous().data_ptr(), positions.data_ptr(),
-            cos_sin.contiguous().data_ptr(), tokens, hq, hk, head_dim, eps, torch.get_num_threads(),
-        )
-    return q_out, k_out
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+        """RMSNorm over the last dim (residual added first, as the reference does) for bf16."""
+        if not _usable(x, weight, *([residual] if residual is not None else [])):
+            return None
+        dim = x.shape[-1]
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        new_residual = None
+        if residual is not None:
+            residual = residual.contiguous()
+            new_residual = torch.empty_like(x)
+        with torch.profiler.record_function("nanoserve::cpu_rms_norm"):
+            self.lib.rms_norm_bf16(
+                x.data_ptr(), residual.data_ptr() if residual is not None else None,
+                new_residual.data_ptr() if new_residual is not None else None, weight.contiguous().data_ptr(),
+                out.data_ptr(), x.numel() // dim, dim, eps, torch.get_num_threads(),
+            )
+        return out if residual is None else (out, new_residual)
 
+    def qk_norm_rope(
+        self,
+        q: torch.Tensor,  # [tokens, num_q_heads * head_dim], rows may be strided (a slice of qkv)
+        k: torch.Tensor,  # [tokens, num_k_heads * head_dim], same row stride as q
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        eps: float,
+        positions: torch.Tensor,  # [tokens] int64
+        cos_sin: torch.Tensor,  # [max_pos, head_dim] float32
+        head_dim: int,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """q_norm / k_norm per head then RoPE, for bf16; q [T, Hq, D], k [T, Hk, D] out, or None."""
+        if not _usable(q, k, q_weight, k_weight) or cos_sin.dtype != torch.float32:
+            return None
+        if q.stride(-1) != 1 or k.stride(-1) != 1 or q.stride(0) != k.stride(0):
+            return None
+        tokens = q.shape[0]
+        hq, hk = q.shape[1] // head_dim, k.shape[1] // head_dim
+        q_out = torch.empty(tokens, hq, head_dim, dtype=q.dtype)
+        k_out = torch.empty(tokens, hk, head_dim, dtype=k.dtype)
+        positions = positions.to(torch.int64).contiguous()
+        with torch.profiler.record_function("nanoserve::cpu_qk_norm_rope"):
+            self.lib.qk_norm_rope_bf16(
+                q.data_ptr(), k.data_ptr(), q.stride(0), q_out.data_ptr(), k_out.data_ptr(),
+                q_weight.contiguous().data_ptr(), k_weight.contiguous().data_ptr(), positions.data_ptr(),
+                cos_sin.contiguous().data_ptr(), tokens, hq, hk, head_dim, eps, torch.get_num_threads(),
+            )
+        return q_out, k_out
 
-def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """x [M, K] float32 @ weight [N, K] bf16 ^T (+ bias float32) -> [M, N] float32, for small M.
+    def skinny_gemm(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """x [M, K] float32 @ weight [N, K] bf16 ^T (+ bias float32) -> [M, N] float32, for small M.
 
-    None where the kernel does not apply (no AVX2 build, K not a multiple of 8, other dtypes)."""
-    lib = load()
-    if lib is None or weight.dtype != torch.bfloat16 or x.dtype != torch.float32 or x.dim() != 2:
-        return None
-    if not lib.skinny_gemm_supported() or weight.shape[1] % 8 or not weight.is_contiguous():
-        return None
-    x = x.contiguous()
-    rows, n = x.shape[0], weight.shape[0]
-    y = torch.empty(rows, n, dtype=torch.float32)
-    with torch.profiler.record_function("nanoserve::cpu_skinny_gemm"):
-        err = lib.skinny_gemm_bf16(x.data_ptr(), rows, x.shape[1], weight.data_ptr(), n,
-                                   bias.data_ptr() if bias is not None else None, y.data_ptr(),
-                                   torch.get_num_threads())
-    return None if err else y
+        None where the kernel does not apply (no AVX2 build, K not a multiple of 8, other dtypes)."""
+        if weight.dtype != torch.bfloat16 or x.dtype != torch.float32 or x.dim() != 2:
+            return None
+        if not self.lib.skinny_gemm_supported() or weight.shape[1] % 8 or not weight.is_contiguous():
+            return None
+        x = x.contiguous()
+        rows, n = x.shape[0], weight.shape[0]
+        y = torch.empty(rows, n, dtype=torch.float32)
+        with torch.profiler.record_function("nanoserve::cpu_skinny_gemm"):
+            err = self.lib.skinny_gemm_bf16(x.data_ptr(), rows, x.shape[1], weight.data_ptr(), n,
+                                            bias.data_ptr() if bias is not None else None, y.data_ptr(),
+                                            torch.get_num_threads())
+        return None if err else y

@@ -13,13 +13,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nanoserve.kernels.cpu import fp32_compute
-
-
-def _compute_dtype(q: torch.Tensor) -> torch.dtype:
-    """float32 where the device's bf16/fp16 matmul is slow (AVX2 CPUs), else q's own dtype."""
-    return torch.float32 if fp32_compute(q.dtype, q.device) else q.dtype
-
 
 def gather_kv(
     cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -51,8 +44,9 @@ def paged_attention_decode_torch(
     context_lens: torch.Tensor,  # [num_seqs]
     max_context_len: int,
     scale: float,
+    compute_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    dtype = _compute_dtype(q)
+    dtype = compute_dtype or q.dtype
     k = gather_kv(k_cache, block_tables, max_context_len, dtype)  # [S, Hkv, L, D]
     v = gather_kv(v_cache, block_tables, max_context_len, dtype)
     key_pos = torch.arange(k.shape[2], device=q.device)
@@ -73,10 +67,11 @@ def paged_attention_varlen_torch(
     max_seqlen_q: int,
     max_context_len: int,
     scale: float,
+    compute_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = context_lens.shape[0]
-    dtype = _compute_dtype(q)
+    dtype = compute_dtype or q.dtype
     q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
     seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=q.device), q_lens, output_size=num_tokens)
     offset_in_seq = torch.arange(num_tokens, device=q.device) - cu_seqlens_q[:-1].long()[seq_of_token]

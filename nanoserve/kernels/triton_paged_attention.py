@@ -21,7 +21,6 @@ folded into the scores once. Inputs may be fp32, fp16 or bf16; the output has q'
 """
 from __future__ import annotations
 
-import math
 
 import torch
 

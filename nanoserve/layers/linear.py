@@ -2,23 +2,25 @@
 
 Column-parallel layers split the output dim across ranks, row-parallel ones the input dim (and
 all-reduce their output). Packed layers (QKV, gate_up) load several HF tensors into one weight.
+The matmul itself is the backend's: after loading, `process_weights_after_loading` asks it for
+the layer's GEMM (plain F.linear, or e.g. a prepacked float32 copy on a CPU without bf16 math).
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from nanoserve.kernels.cpu import CPUWeight
-from nanoserve.layers.tp import all_reduce, divide, tp_rank, tp_size
+from nanoserve.layers.context import ModelContext
+
+
+def weights_not_loaded(x: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError("linear layer used before its weights were loaded and prepared")
 
 
 class LinearBase(nn.Module):
-    # Set by prepare_cpu_gemm on CPU: the weight as the CPU GEMMs want it (see kernels/cpu.py).
-    cpu_weight: CPUWeight | None = None
-
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+    def __init__(self, input_size: int, output_size: int, bias: bool, ctx: ModelContext) -> None:
         super().__init__()
+        self.backend, self.tp = ctx.backend, ctx.tp
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -26,86 +28,70 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.gemm = weights_not_loaded
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         param.data.copy_(loaded)
 
+    def process_weights_after_loading(self) -> None:
+        self.gemm = self.backend.prepare_linear(self.weight, self.bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.cpu_weight)
-
-
-def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, cpu_weight: CPUWeight | None = None
-) -> torch.Tensor:
-    return cpu_weight(x) if cpu_weight is not None else F.linear(x, weight, bias)
-
-
-def prepare_cpu_gemm(model: nn.Module) -> None:
-    """Give every linear layer and the LM head a CPUWeight (see nanoserve.kernels.cpu).
-
-    Their parameters stay as loaded; the float32 copies cost 4 bytes per weight on top.
-    """
-    from nanoserve.layers.embed_head import ParallelLMHead
-
-    for module in model.modules():
-        if isinstance(module, (LinearBase, ParallelLMHead)):
-            module.cpu_weight = CPUWeight(module.weight, getattr(module, "bias", None))
-
-
-class ReplicatedLinear(LinearBase):
-    pass
+        return self.gemm(x)
 
 
 class ColumnParallelLinear(LinearBase):
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
-        super().__init__(input_size, divide(output_size, tp_size(), "output_size"), bias)
+    def __init__(self, input_size: int, output_size: int, bias: bool, ctx: ModelContext) -> None:
+        super().__init__(input_size, ctx.tp.shard(output_size, "output_size"), bias, ctx)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         shard = param.data.shape[0]
-        param.data.copy_(loaded.narrow(0, tp_rank() * shard, shard))
+        param.data.copy_(loaded.narrow(0, self.tp.rank * shard, shard))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs stacked in one weight, e.g. gate_proj and up_proj."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool, ctx: ModelContext) -> None:
         for i, size in enumerate(output_sizes):  # each part is split on its own, so each must divide
-            divide(size, tp_size(), f"output_sizes[{i}]")
+            ctx.tp.shard(size, f"output_sizes[{i}]")
         self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), bias)
+        super().__init__(input_size, sum(output_sizes), bias, ctx)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
-        shard = self.output_sizes[shard_id] // tp_size()
-        offset = sum(self.output_sizes[:shard_id]) // tp_size()
-        param.data.narrow(0, offset, shard).copy_(loaded.narrow(0, tp_rank() * shard, shard))
+        shard = self.output_sizes[shard_id] // self.tp.size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp.size
+        param.data.narrow(0, offset, shard).copy_(loaded.narrow(0, self.tp.rank * shard, shard))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections in one weight; each rank holds its share of query and KV heads."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False) -> None:
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, ctx: ModelContext
+    ) -> None:
         self.head_dim = head_dim
-        self.num_heads = divide(num_heads, tp_size(), "num_attention_heads")
-        self.num_kv_heads = divide(num_kv_heads, tp_size(), "num_key_value_heads")
-        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
+        self.num_heads = ctx.tp.shard(num_heads, "num_attention_heads")  # per rank
+        self.num_kv_heads = ctx.tp.shard(num_kv_heads, "num_key_value_heads")
+        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias, ctx)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         offset, shard = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
-        param.data.narrow(0, offset, shard).copy_(loaded.narrow(0, tp_rank() * shard, shard))
+        param.data.narrow(0, offset, shard).copy_(loaded.narrow(0, self.tp.rank * shard, shard))
 
 
 class RowParallelLinear(LinearBase):
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
-        super().__init__(divide(input_size, tp_size(), "input_size"), output_size, bias)
+    def __init__(self, input_size: int, output_size: int, bias: bool, ctx: ModelContext) -> None:
+        super().__init__(ctx.tp.shard(input_size, "input_size"), output_size, bias, ctx)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if param.dim() == 1:  # bias: added once, on rank 0, after the all-reduce would double it
-            param.data.copy_(loaded if tp_rank() == 0 else torch.zeros_like(loaded))
+            param.data.copy_(loaded if self.tp.rank == 0 else torch.zeros_like(loaded))
             return
         shard = param.data.shape[1]
-        param.data.copy_(loaded.narrow(1, tp_rank() * shard, shard))
+        param.data.copy_(loaded.narrow(1, self.tp.rank * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(linear(x, self.weight, self.bias, self.cpu_weight))
+        return self.tp.all_reduce(self.gemm(x))

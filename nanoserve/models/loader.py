@@ -61,6 +61,14 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
         raise ValueError(f"checkpoint {model_dir!r} lacks weights for: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
 
 
+def prepare_weights(model: nn.Module) -> None:
+    """Let every layer turn its loaded weights into what its backend runs (e.g. prepacked GEMMs)."""
+    for module in model.modules():
+        hook = getattr(module, "process_weights_after_loading", None)
+        if hook is not None:
+            hook()
+
+
 def _map_name(name: str, mapping: dict) -> tuple[str, object]:
     for hf_fragment, (ours, shard_id) in mapping.items():
         if f".{hf_fragment}." in name:

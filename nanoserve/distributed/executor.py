@@ -1,0 +1,124 @@
+"""The engine's model runner for tensor_parallel_size > 1: rank 0 here, ranks 1..N-1 in workers.
+
+Rank 0 owns a complete ModelRunner holding its shard, while the engine keeps the scheduler and
+the sampling. Each step rank 0 builds the inputs on the host, sends the same bytes to every
+worker, and all ranks run the forward together; the layers' all-reduces and the LM head's gather
+meet over the process group, and only rank 0 gets logits and samples. KV-cache sizing: every rank
+sizes its own cache, then all agree on the minimum, so the scheduler's block ids are valid on
+every rank. After a failure inside a step the ranks may be out of step: the workers are
+terminated and every later step raises.
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+
+import torch
+
+from nanoserve.config import Config
+from nanoserve.distributed import process_group
+from nanoserve.distributed.channel import pack
+from nanoserve.distributed.group import TPGroup
+from nanoserve.distributed.worker import agree_num_kvcache_blocks
+from nanoserve.distributed.workers import Workers
+from nanoserve.engine.model_runner import ModelRunner, StepOutput
+from nanoserve.engine.scheduler import ScheduledBatch
+
+logger = logging.getLogger(__name__)
+
+
+class TPModelRunner:
+    def __init__(self, config: Config, device: torch.device, eos_token_ids: list[int]) -> None:
+        size = config.tensor_parallel_size
+        if device.type == "cuda" and torch.cuda.device_count() < size:
+            raise ValueError(
+                f"tensor_parallel_size={size} needs {size} CUDA devices (one per rank), "
+                f"found {torch.cuda.device_count()}"
+            )
+        self.group = TPGroup(0, size)
+        self.num_threads = process_group.threads_per_rank(size) if device.type == "cpu" else None
+        self._workers = Workers(size)
+        self._finalizer = weakref.finalize(self, self._workers.close)
+        self._runner: ModelRunner | None = None
+        self._broken: str | None = None
+        try:
+            self._workers.start(config, device, eos_token_ids, process_group.threads_per_rank(size))
+            with process_group.torch_threads(self.num_threads):
+                runner = ModelRunner(config, process_group.rank_device(device, 0), eos_token_ids, self.group)
+            self._workers.wait_ready()
+            process_group.connect(self.group, runner.device, self._workers.store)
+            agree_num_kvcache_blocks(runner, self.group)
+            self._runner = runner
+        except BaseException:
+            self._workers.close(graceful=False)
+            self.close()
+            raise
+        logger.info("tensor parallel: %d ranks, %d KV blocks each", size, self.num_kvcache_blocks)
+
+    # ---- what the engine and tests read: rank 0's runner ---------------------------------------
+
+    @property
+    def rank0(self) -> ModelRunner:
+        if self._runner is None:
+            raise RuntimeError("this LLM's tensor-parallel runner is closed")
+        return self._runner
+
+    @property
+    def num_kvcache_blocks(self) -> int:
+        return self.rank0.num_kvcache_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.rank0.block_size
+
+    @property
+    def backend(self):
+        return self.rank0.backend
+
+    @property
+    def attention_layers(self):
+        return self.rank0.attention_layers
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        return self.rank0.kv_cache
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return self._workers.pids
+
+    # ---- a step -------------------------------------------------------------------------------
+
+    def run(self, batch: ScheduledBatch) -> StepOutput:
+        runner = self.rank0
+        if self._broken:
+            raise RuntimeError(f"the tensor-parallel engine is unusable: {self._broken}")
+        try:
+            self._workers.check_alive()
+        except RuntimeError:
+            self.close()
+            raise
+        with process_group.torch_threads(self.num_threads):
+            inputs = runner.prepare_inputs(batch)
+            try:
+                self._workers.broadcast("step", pack(inputs))
+                logits = runner.execute(inputs)
+            except Exception as exc:
+                self._fail(exc)
+                raise
+            return runner.sample(batch, logits)  # rank 0 alone: a failure here leaves the ranks in step
+
+    def _fail(self, exc: BaseException) -> None:
+        """The ranks may now be out of step (some inside a collective): stop everything for good."""
+        self._broken = f"a step failed ({type(exc).__name__}: {exc})"
+        worker_error = self._workers.failure(exc)
+        self._workers.close(graceful=False)  # none can take "stop" now
+        self.close()
+        if worker_error is not None:
+            raise worker_error from exc
+
+    def close(self) -> None:
+        """Stop the workers and release rank 0's model and KV cache. Idempotent."""
+        self._finalizer()
+        self.group.process_group = None
+        self._runner = None
