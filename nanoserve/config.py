@@ -5,7 +5,7 @@ import json
 import os
 from dataclasses import dataclass, field, fields
 
-from nanoserve.models import SUPPORTED_ARCHITECTURES
+from nanoserve.models import SUPPORTED_ARCHITECTURES, check_supported, sliding_window
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
@@ -41,15 +41,13 @@ class Config:
         self._check_choices()
         self._check_ints()
         self.hf_config = self._read_hf_config()
+        source = f"{self.model}/config.json"
         arch = (self.hf_config.get("architectures") or [None])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {arch!r} in {self.model}/config.json; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+            raise ValueError(f"unsupported architecture {arch!r} in {source}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         max_pos = int(self.hf_config.get("max_position_embeddings", 4096))
         if self.max_model_len is None:
-            self.max_model_len = min(4096, max_pos)
+            self.max_model_len = min(4096, max_pos, sliding_window(self.hf_config) or max_pos)
         elif self.max_model_len > max_pos:
             raise ValueError(
                 f"max_model_len={self.max_model_len} exceeds the checkpoint's "
@@ -61,6 +59,7 @@ class Config:
                 f"max_model_len={self.max_model_len} when enable_chunked_prefill=False, "
                 "otherwise a long prompt could never be scheduled"
             )
+        check_supported(self.hf_config, self.max_model_len, source)
         self._check_tensor_parallel()
 
     @classmethod
@@ -111,12 +110,13 @@ class Config:
                 raise ValueError(f"{name} must be >= {lo}, got {value}")
 
     def _check_tensor_parallel(self) -> None:
-        """Every sharded dimension must split evenly: KV heads, query heads, MLP width."""
+        """Every sharded dimension must split evenly: KV heads, query heads, MLP (and expert) width."""
         tp, cfg = self.tensor_parallel_size, self.hf_config
         sharded = {
             "num_key_value_heads": cfg.get("num_key_value_heads") or cfg.get("num_attention_heads"),
             "num_attention_heads": cfg.get("num_attention_heads"),
             "intermediate_size": cfg.get("intermediate_size"),
+            "moe_intermediate_size": cfg.get("moe_intermediate_size"),  # each expert's MLP is sharded
         }
         for name, value in sharded.items():
             if value and value % tp:

@@ -6,6 +6,7 @@ import shutil
 import pytest
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.models import SUPPORTED_ARCHITECTURES
 
 
 @pytest.fixture(scope="module")
@@ -30,10 +31,11 @@ def test_unsupported_architecture_lists_supported(tmp_path, tiny_model):
     shutil.copytree(tiny_model, tmp_path / "m")
     cfg_path = tmp_path / "m" / "config.json"
     cfg = json.loads(cfg_path.read_text())
-    cfg["architectures"] = ["LlamaForCausalLM"]
+    cfg["architectures"] = ["GPTNeoXForCausalLM"]
     cfg_path.write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="Qwen3ForCausalLM"):
+    with pytest.raises(ValueError, match="GPTNeoXForCausalLM.*supported: .*Qwen3ForCausalLM") as info:
         LLM(str(tmp_path / "m"))
+    assert all(arch in str(info.value) for arch in SUPPORTED_ARCHITECTURES)
 
 
 def test_unknown_kwarg_is_type_error(tiny_model):

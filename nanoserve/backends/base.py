@@ -17,10 +17,13 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.backends.metadata import AttentionMetadata
+from nanoserve.kernels.fused_moe import grouped_experts
 from nanoserve.kernels.paged_attention import paged_attention_decode_torch, paged_attention_varlen_torch
 from nanoserve.kernels.store_kv import store_kv_torch
 
 LinearFn = Callable[[torch.Tensor], torch.Tensor]
+# (x [num_tokens, hidden], topk_weights [num_tokens, top_k], topk_ids [num_tokens, top_k]) -> [num_tokens, hidden]
+MoEFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class Backend:
@@ -43,6 +46,13 @@ class Backend:
     def prepare_linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearFn:
         """Called once per linear layer after its weights are loaded; returns x -> x @ weight.T + bias."""
         return partial(F.linear, weight=weight, bias=bias)
+
+    def prepare_moe(self, w13: torch.Tensor, w2: torch.Tensor) -> MoEFn:
+        """Called once per MoE layer after loading: the experts as grouped GEMMs, each expert's
+        weights prepared like any linear layer's (w13 [E, 2 * inter, hidden], w2 [E, hidden, inter])."""
+        up = [self.prepare_linear(w, None) for w in w13]
+        down = [self.prepare_linear(w, None) for w in w2]
+        return partial(grouped_experts, up=up, down=down, act=self.silu_and_mul)
 
     # ---- small ops ----------------------------------------------------------------------------
 

@@ -13,8 +13,14 @@ from torch import nn
 from nanoserve.layers.context import ModelContext
 
 
-def weights_not_loaded(x: torch.Tensor) -> torch.Tensor:
-    raise RuntimeError("linear layer used before its weights were loaded and prepared")
+def weights_not_loaded(*args) -> torch.Tensor:
+    raise RuntimeError("layer used before its weights were loaded and prepared")
+
+
+def expect_shards(param: nn.Parameter, shards) -> None:
+    """Declare the parts a packed parameter is loaded from; the loader refuses a checkpoint that lacks one."""
+    param.expected_shards = frozenset(shards)
+    param.loaded_shards = set()
 
 
 class LinearBase(nn.Module):
@@ -40,6 +46,10 @@ class LinearBase(nn.Module):
         return self.gemm(x)
 
 
+class ReplicatedLinear(LinearBase):
+    """The whole weight on every rank (e.g. an MoE router)."""
+
+
 class ColumnParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool, ctx: ModelContext) -> None:
         super().__init__(input_size, ctx.tp.shard(output_size, "output_size"), bias, ctx)
@@ -57,11 +67,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             ctx.tp.shard(size, f"output_sizes[{i}]")
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias, ctx)
+        for param in self.parameters():
+            expect_shards(param, range(len(output_sizes)))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
         shard = self.output_sizes[shard_id] // self.tp.size
         offset = sum(self.output_sizes[:shard_id]) // self.tp.size
         param.data.narrow(0, offset, shard).copy_(loaded.narrow(0, self.tp.rank * shard, shard))
+        param.loaded_shards.add(shard_id)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -74,12 +87,15 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_heads = ctx.tp.shard(num_heads, "num_attention_heads")  # per rank
         self.num_kv_heads = ctx.tp.shard(num_kv_heads, "num_key_value_heads")
         super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias, ctx)
+        for param in self.parameters():
+            expect_shards(param, "qkv")
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         offset, shard = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
         param.data.narrow(0, offset, shard).copy_(loaded.narrow(0, self.tp.rank * shard, shard))
+        param.loaded_shards.add(shard_id)
 
 
 class RowParallelLinear(LinearBase):

@@ -1,4 +1,9 @@
-"""Load HF safetensors checkpoints (single file or sharded) through the layers' weight loaders."""
+"""Load HF safetensors checkpoints (single file or sharded) through the layers' weight loaders.
+
+Only safetensors are read (never pickle). Every problem is a ValueError naming the file and the
+tensor: an unknown tensor, one of the wrong shape, a weight the model needs that no file holds
+(including one part of a packed weight, e.g. a missing k_proj or one expert of a MoE layer).
+"""
 from __future__ import annotations
 
 import json
@@ -6,7 +11,7 @@ import os
 from collections.abc import Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 # Tensors a checkpoint may carry that the engine recomputes or never uses.
@@ -28,37 +33,55 @@ def checkpoint_files(model_dir: str) -> list[str]:
     return [os.path.join(model_dir, n) for n in names]
 
 
-def iter_checkpoint(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint(model_dir: str) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(file, tensor name, tensor) for every tensor of the checkpoint."""
     for path in checkpoint_files(model_dir):
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield path, name, f.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
 
 
 def load_weights(model: nn.Module, model_dir: str) -> None:
-    """Copy every checkpoint tensor into its parameter; fail loudly on anything missing."""
+    """Copy every checkpoint tensor into its parameter; fail loudly on anything missing or misfit."""
     params = dict(model.named_parameters())  # tied weights appear once, under their first name
-    mapping = getattr(model, "packed_modules_mapping", {})
     tied = getattr(model, "tie_word_embeddings", False)
     loaded: set[str] = set()
-    for name, tensor in iter_checkpoint(model_dir):
+    for path, name, tensor in iter_checkpoint(model_dir):
         if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue
-        target, shard_id = _map_name(name, mapping)
+        target, shard_id = model.checkpoint_name_to_param(name)
         if target not in params:
-            raise ValueError(f"checkpoint tensor {name!r} has no matching parameter ({target!r}) in the model")
+            raise ValueError(f"{path}: tensor {name!r} has no matching parameter ({target!r}) in the model")
         param = params[target]
-        loader = getattr(param, "weight_loader", None)
-        if shard_id is not None:
-            loader(param, tensor, shard_id)
-        elif loader is not None:
-            loader(param, tensor)
-        else:
-            param.data.copy_(tensor)
+        try:
+            _load_one(param, tensor, shard_id)
+        except (RuntimeError, IndexError) as e:  # a shape torch cannot copy or narrow into the parameter
+            raise ValueError(
+                f"{path}: tensor {name!r} of shape {list(tensor.shape)} does not fit parameter {target!r} "
+                f"of shape {list(param.shape)} ({e})"
+            ) from None
         loaded.add(target)
     missing = sorted(set(params) - loaded)
+    missing += [f"{n} (parts {sorted(p.expected_shards - p.loaded_shards, key=str)[:8]})"
+                for n, p in params.items() if n in loaded and getattr(p, "expected_shards", None)
+                and p.expected_shards - p.loaded_shards]
     if missing:
         raise ValueError(f"checkpoint {model_dir!r} lacks weights for: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+
+
+def _load_one(param: nn.Parameter, tensor: torch.Tensor, shard_id) -> None:
+    loader = getattr(param, "weight_loader", None)
+    if shard_id is not None:
+        loader(param, tensor, shard_id)
+    elif loader is not None:
+        loader(param, tensor)
+    elif param.shape != tensor.shape:
+        raise RuntimeError("shapes differ")
+    else:
+        param.data.copy_(tensor)
 
 
 def prepare_weights(model: nn.Module) -> None:
@@ -67,10 +90,3 @@ def prepare_weights(model: nn.Module) -> None:
         hook = getattr(module, "process_weights_after_loading", None)
         if hook is not None:
             hook()
-
-
-def _map_name(name: str, mapping: dict) -> tuple[str, object]:
-    for hf_fragment, (ours, shard_id) in mapping.items():
-        if f".{hf_fragment}." in name:
-            return name.replace(f".{hf_fragment}.", f".{ours}."), shard_id
-    return name, None

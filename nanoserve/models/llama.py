@@ -1,0 +1,153 @@
+"""Llama (LlamaForCausalLM checkpoints: Llama 2, 3, 3.1, 3.2), and the decoder Qwen2/Qwen3/Mistral share.
+
+A pre-norm decoder: RMSNorm -> attention (RoPE, GQA) -> RMSNorm -> SiLU MLP, residuals fused into
+the norms. The variants differ only in small switches, set as class attributes by their model
+files: biases on the projections, a per-head q/k RMSNorm (Qwen3), the MLP of a layer (Qwen3-MoE).
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from nanoserve.backends.metadata import AttentionMetadata
+from nanoserve.layers.activation import SiluAndMul
+from nanoserve.layers.attention import Attention
+from nanoserve.layers.context import ModelContext
+from nanoserve.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from nanoserve.layers.layernorm import RMSNorm
+from nanoserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanoserve.layers.rotary_embedding import RotaryEmbedding
+
+
+def head_dim_of(cfg: dict) -> int:
+    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self, cfg: dict, rope: RotaryEmbedding, ctx: ModelContext, qkv_bias: bool, o_bias: bool, qk_norm: bool
+    ) -> None:
+        super().__init__()
+        hidden, num_heads = cfg["hidden_size"], cfg["num_attention_heads"]
+        num_kv_heads = cfg.get("num_key_value_heads") or num_heads
+        self.head_dim = head_dim = head_dim_of(cfg)
+        self.qkv_proj = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads, qkv_bias, ctx)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # per rank
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, o_bias, ctx)
+        if qk_norm:
+            eps = cfg.get("rms_norm_eps", 1e-6)
+            self.q_norm, self.k_norm = RMSNorm(head_dim, eps, ctx), RMSNorm(head_dim, eps, ctx)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rotary_emb = rope
+        self.attn = Attention(self.num_heads, head_dim, self.num_kv_heads, head_dim**-0.5, ctx)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))  # [num_tokens, num_kv_heads, head_dim]
+        q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)  # [num_tokens, heads, head_dim] each
+        out = self.attn(q, k, v, meta)  # [num_tokens, num_heads, head_dim]
+        return self.o_proj(out.flatten(1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, ctx: ModelContext) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias, ctx)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, ctx)
+        self.act_fn = SiluAndMul(ctx)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: dict, self_attn: nn.Module, mlp: nn.Module, ctx: ModelContext) -> None:
+        super().__init__()
+        eps = cfg.get("rms_norm_eps", 1e-6)
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(cfg["hidden_size"], eps, ctx)
+        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps, ctx)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: dict, layers: list[LlamaDecoderLayer], ctx: ModelContext) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"], ctx)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6), ctx)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    # HF checkpoint name fragment -> (our parameter name fragment, shard id of a packed weight)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    qk_norm = False  # per-head RMSNorm of q and k before RoPE
+
+    def __init__(self, cfg: dict, ctx: ModelContext) -> None:
+        super().__init__()
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported (only 'silu')")
+        rope = RotaryEmbedding.from_config(cfg, head_dim_of(cfg), ctx)  # one table for all layers
+        qkv_bias, o_bias = self.attention_biases(cfg)
+        layers = [
+            LlamaDecoderLayer(
+                cfg, LlamaAttention(cfg, rope, ctx, qkv_bias, o_bias, self.qk_norm), self.make_mlp(cfg, i, ctx), ctx
+            )
+            for i in range(cfg["num_hidden_layers"])
+        ]
+        self.model = LlamaModel(cfg, layers, ctx)
+        self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"], ctx)
+        self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def attention_biases(cls, cfg: dict) -> tuple[bool, bool]:
+        """(bias on q/k/v, bias on o)."""
+        bias = bool(cfg.get("attention_bias", False))
+        return bias, bias
+
+    def make_mlp(self, cfg: dict, layer_index: int, ctx: ModelContext) -> nn.Module:
+        return LlamaMLP(cfg["hidden_size"], cfg["intermediate_size"], bool(cfg.get("mlp_bias", False)), ctx)
+
+    def checkpoint_name_to_param(self, name: str) -> tuple[str, object]:
+        """Our parameter name for a checkpoint tensor, and the shard it fills in a packed weight (or None)."""
+        for hf_fragment, (ours, shard_id) in self.packed_modules_mapping.items():
+            pattern = rf"\.{hf_fragment}\."
+            if re.search(pattern, name):
+                return re.sub(pattern, f".{ours}.", name), shard_id
+        return name, None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head(hidden)
