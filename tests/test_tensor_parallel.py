@@ -92,7 +92,7 @@ def test_ranks_agree_on_the_smallest_kv_cache(tiny_model, monkeypatch):
     from nanoserve.engine.model_runner import ModelRunner
 
     config = Config(tiny_model, device="cpu", dtype="float32", num_kvcache_blocks=40, max_model_len=64)
-    runner = ModelRunner(config, torch.device("cpu"), [])
+    runner = ModelRunner(config, torch.device("cpu"))
     monkeypatch.setattr(tp_executor, "all_reduce", lambda t, op: t.fill_(25) if op == "min" else t)
     assert tp_executor.agree_num_kvcache_blocks(runner) == 25
     assert runner.num_kvcache_blocks == 25 and runner.kv_cache.shape[2] == 25

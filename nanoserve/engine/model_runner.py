@@ -17,10 +17,10 @@ from nanoserve.engine.sequence import Sequence
 from nanoserve.layers.attention import Attention, AttentionMetadata, select_attention_backend
 from nanoserve.kernels.cpu import use_cpu_gemm
 from nanoserve.layers.linear import prepare_cpu_gemm
-from nanoserve.layers.sampler import Sampler, SamplingMetadata, SamplingRow
 from nanoserve.layers.tp import tp_size
 from nanoserve.models import MODEL_REGISTRY
 from nanoserve.models.loader import load_weights
+from nanoserve.sampling import Sampler, SamplingMetadata, SamplingRow
 
 logger = logging.getLogger(__name__)
 
@@ -62,11 +62,10 @@ def resolve_dtype(dtype: str, hf_config: dict, device: torch.device) -> torch.dt
 
 
 class ModelRunner:
-    def __init__(self, config: Config, device: torch.device, eos_token_ids: list[int]) -> None:
+    def __init__(self, config: Config, device: torch.device) -> None:
         self.config = config
         self.device = device
         self.block_size = config.kvcache_block_size
-        self.eos_token_ids = eos_token_ids
         cfg = config.hf_config
         self.dtype = resolve_dtype(config.dtype, cfg, device)
         self.vocab_size = cfg["vocab_size"]
@@ -206,7 +205,7 @@ class ModelRunner:
         rows = [seq for seq, samples in zip(batch.seqs, batch.samples) if samples]
         if not rows:
             return StepOutput([], None, None)
-        meta = SamplingMetadata.build([self._sampling_row(seq) for seq in rows], self.vocab_size, self.device)
+        meta = SamplingMetadata.build([sampling_row(seq) for seq in rows], self.vocab_size, self.device)
         out = self.sampler(logits, meta)
         token_ids = out.token_ids.tolist()
         if out.logprobs is None:
@@ -217,18 +216,11 @@ class ModelRunner:
         ]
         return StepOutput(token_ids, out.logprobs.tolist(), top)
 
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
-        params = seq.params
-        suppressed: list[int] = []
-        if seq.num_output_tokens < params.min_tokens:
-            suppressed = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_token_ids))
-        return SamplingRow(
-            params=params,
-            prompt_token_ids=seq.prompt_token_ids,
-            output_token_ids=seq.output_token_ids,
-            seed=seq.seed,
-            suppressed_token_ids=suppressed,
-        )
+
+def sampling_row(seq: Sequence) -> SamplingRow:
+    """The sampler's view of a sequence: its spec and its own token list (not a copy)."""
+    assert seq.sampling_spec is not None, f"sequence {seq.seq_id} has no SamplingSpec: the engine sets it"
+    return SamplingRow(seq.sampling_spec, seq.seed, seq.token_ids, seq.num_prompt_tokens)
 
 
 def to_device(inputs: ModelInputs, device: torch.device) -> ModelInputs:

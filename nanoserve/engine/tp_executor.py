@@ -210,7 +210,7 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 def _worker_main(
-    rank: int, size: int, config: Config, device_str: str, eos_token_ids: list[int], port: int,
+    rank: int, size: int, config: Config, device_str: str, port: int,
     conn, parent_pid: int, num_threads: int,
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it stops us
@@ -222,7 +222,7 @@ def _worker_main(
             torch.cuda.set_device(device)
         group = TPGroup(rank, size)
         with use_tp_group(group):
-            runner = ModelRunner(config, device, eos_token_ids)
+            runner = ModelRunner(config, device)
         send_message(conn, "ready", runner.num_kvcache_blocks)
         store = dist.TCPStore(
             "127.0.0.1", port, size, is_master=False, timeout=timedelta(seconds=PROCESS_GROUP_TIMEOUT_S)
@@ -266,7 +266,7 @@ class _Workers:
         self.store = None
         self.closed = False
 
-    def start(self, config: Config, device: torch.device, eos_token_ids: list[int], num_threads: int) -> None:
+    def start(self, config: Config, device: torch.device, num_threads: int) -> None:
         # Rank 0 hosts the store on a free port the OS picks (port 0): engines never collide.
         self.store = dist.TCPStore(
             "127.0.0.1", 0, self.group.size, is_master=True, wait_for_workers=False,
@@ -277,8 +277,8 @@ class _Workers:
             parent_conn, child_conn = ctx.Pipe(duplex=True)
             proc = ctx.Process(
                 target=_worker_main,
-                args=(rank, self.group.size, config, str(rank_device(device, rank)), eos_token_ids,
-                      self.store.port, child_conn, os.getpid(), num_threads),
+                args=(rank, self.group.size, config, str(rank_device(device, rank)), self.store.port,
+                      child_conn, os.getpid(), num_threads),
                 name=f"nanoserve-tp-rank{rank}",
                 daemon=True,  # multiprocessing also terminates daemonic children at interpreter exit
             )
@@ -407,7 +407,7 @@ class _Rank0Runner(ModelRunner):
 class TPModelRunner:
     """The engine's model runner for tensor_parallel_size > 1 (see the module docstring)."""
 
-    def __init__(self, config: Config, device: torch.device, eos_token_ids: list[int]) -> None:
+    def __init__(self, config: Config, device: torch.device) -> None:
         size = config.tensor_parallel_size
         if device.type == "cuda" and torch.cuda.device_count() < size:
             raise ValueError(
@@ -422,9 +422,9 @@ class TPModelRunner:
         self._finalizer = weakref.finalize(self, self._workers.close)
         self._runner: _Rank0Runner | None = None
         try:
-            self._workers.start(config, device, eos_token_ids, threads_per_rank(size))
+            self._workers.start(config, device, threads_per_rank(size))
             with use_tp_group(self.group), torch_threads(self.num_threads):
-                runner = _Rank0Runner(config, rank_device(device, 0), eos_token_ids)
+                runner = _Rank0Runner(config, rank_device(device, 0))
             runner.workers = self._workers
             self._workers.wait_ready()
             self.group.backend = connect_backend(runner.device, self._workers.store, 0, size)
