@@ -80,7 +80,7 @@ def test_cuda_graph_runner_refuses_cpu():
 def _runner(path, max_num_seqs=8):
     config = Config(path, device="cpu", dtype="float32", kvcache_block_size=4, num_kvcache_blocks=40,
                     max_model_len=64, max_num_seqs=max_num_seqs)
-    return ModelRunner(config, torch.device("cpu"), [])
+    return ModelRunner(config, torch.device("cpu"))
 
 
 def _decode_inputs(runner, prompt_lens, first_block=0):

@@ -107,6 +107,26 @@ def test_no_work_starts_when_one_prompt_is_bad(llm):
 
 
 @pytest.mark.parametrize(
+    "make_params, match",
+    [
+        # min_tokens > 0 masks the stop ids from the first step: once checked per step, this failed mid-run.
+        (lambda vocab: SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[vocab]), "stop_token_ids"),
+        (lambda vocab: SamplingParams(max_tokens=4, stop_token_ids=[1, vocab + 5]), "stop_token_ids"),
+        (lambda vocab: SamplingParams(max_tokens=4, n=2, seed=2**63 - 1), "seed"),  # sample 1 would use 2**63
+    ],
+)
+def test_bad_request_for_this_model_fails_before_any_work(llm, make_params, match):
+    good = SamplingParams(max_tokens=2, ignore_eos=True)
+    queried = llm.prefix_cache_stats["queries"]
+    with pytest.raises(ValueError, match=match):
+        llm.generate([[1, 2, 3], [4, 5, 6]], [good, make_params(llm.engine.vocab_size)], use_tqdm=False)
+    assert llm.prefix_cache_stats["queries"] == queried, "a step was scheduled before the error"
+    assert llm.engine.is_finished() and not llm.engine.requests
+    out = llm.generate([[1, 2, 3]], good, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+
+
+@pytest.mark.parametrize(
     "kwargs, match",
     [
         (dict(max_tokens=0), "max_tokens"),

@@ -1,25 +1,16 @@
 """Sampler: greedy, filters (statistically), penalties, seeded reproducibility, logprobs, uniforms."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
 import pytest
 import torch
 
-import nanoserve.layers.sampler as sampler_module
-from nanoserve.layers.sampler import (
-    NUM_CANDIDATES,
-    Sampler,
-    SamplingMetadata,
-    SamplingRow,
-    _draw_full,
-    _inverse_cdf,
-    apply_penalties,
-    row_uniforms,
-    splitmix64,
-    stream_keys,
-)
+from nanoserve.sampling import NUM_CANDIDATES, Sampler, SamplingMetadata, SamplingRow, SamplingSpec
+from nanoserve.sampling.filters import apply_penalties, cutoffs, draw_candidates, draw_full, inverse_cdf
+from nanoserve.sampling.rng import row_uniforms, splitmix64, stream_keys
 from nanoserve.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -27,12 +18,25 @@ sampler = Sampler()
 
 
 def row(params: SamplingParams | None = None, seed: int = 0, prompt=(1, 2, 3), output=(), suppressed=()):
-    return SamplingRow(params or SamplingParams(), list(prompt), list(output), seed, list(suppressed))
+    """A row as the engine describes it, made once the vocabulary size is known. `suppressed` are
+    EOS ids, masked because min_tokens is not reached yet."""
+    params = params or SamplingParams()
+    if suppressed:
+        params = dataclasses.replace(params, min_tokens=len(output) + 1, max_tokens=None)
+
+    def at(vocab_size: int) -> SamplingRow:
+        spec = SamplingSpec.from_params(params, vocab_size, list(suppressed))
+        return SamplingRow(spec, seed, [*prompt, *output], len(prompt))
+
+    return at
+
+
+def build(rows, vocab_size, **build_kwargs) -> SamplingMetadata:
+    return SamplingMetadata.build([r(vocab_size) for r in rows], vocab_size, CPU, **build_kwargs)
 
 
 def sample(rows, logits, **build_kwargs):
-    meta = SamplingMetadata.build(rows, logits.shape[1], CPU, **build_kwargs)
-    return sampler(logits, meta)
+    return sampler(logits, build(rows, logits.shape[1], **build_kwargs))
 
 
 def randn(*shape, seed=0):
@@ -131,33 +135,21 @@ def test_sampled_distribution_matches_filtered_softmax(case, num_candidates):
     assert tv < 0.02, tv
 
 
-class PathSpy:
-    """Counts the rows each draw path gets, and records the candidate draws' arguments."""
-
-    def __init__(self, monkeypatch):
-        self.full_rows = self.candidate_rows = 0
-        self.candidate_calls = []
-        full, candidates = sampler_module._draw_full, sampler_module._draw_candidates
-
-        def spy_full(x, *args):
-            self.full_rows += x.shape[0]
-            return full(x, *args)
-
-        def spy_candidates(vals, ids, u, cutoff):
-            self.candidate_rows += vals.shape[0]
-            self.candidate_calls.append((u, cutoff))
-            return candidates(vals, ids, u, cutoff)
-
-        monkeypatch.setattr(sampler_module, "_draw_full", spy_full)
-        monkeypatch.setattr(sampler_module, "_draw_candidates", spy_candidates)
+def full_sort_kept(logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's cutoff found from its whole vocabulary, sorted (the fallback's way, always exact),
+    and how many tokens it keeps. A row keeping >= C tokens does not fit in C candidates."""
+    vals = (logits / meta.temperature[:, None]).sort(dim=-1, descending=True).values  # [B, V]
+    cutoff, exact = cutoffs(vals, None, meta.top_k, meta.top_p, meta.min_p, True, True)
+    assert exact.all()
+    return cutoff, (vals >= cutoff[:, None]).sum(-1)
 
 
 @pytest.mark.parametrize("ties", [False, True])
-def test_candidate_and_full_paths_draw_the_same_tokens(ties, monkeypatch):
+def test_candidate_and_full_paths_draw_the_same_tokens(ties):
     # The cutoff is the same whichever way it is found, and both paths walk the kept weights in
     # token-id order. With ties (logits on a 0.5 grid, as in low precision) the ties at the k-th
-    # value are kept. num_candidates=V: every row draws over its candidates (all of V); without
-    # top_k rows, num_candidates=2 sends most rows to the full sort and the full-vocabulary draw.
+    # value are kept. num_candidates=V: C = V, every row draws over its candidates (all of V);
+    # with small C, rows keeping >= C tokens need the full sort and the full-vocabulary draw.
     V = 500
     logits = randn(64, V, seed=3) * 2
     if ties:
@@ -166,17 +158,19 @@ def test_candidate_and_full_paths_draw_the_same_tokens(ties, monkeypatch):
     without_k = [case for case in with_k if "top_k" not in case]
     for cases in (with_k, without_k):
         rows = [row(SamplingParams(**cases[i % len(cases)]), seed=i, output=[0] * (i % 3)) for i in range(64)]
-        spy = PathSpy(monkeypatch)
-        every_candidate = sample(rows, logits, num_candidates=V).token_ids
-        assert spy.full_rows == 0
+        every_candidate_meta = build(rows, V, num_candidates=V)
+        assert every_candidate_meta.num_candidates == V
+        every_candidate = sampler(logits, every_candidate_meta).token_ids
         default = sample(rows, logits).token_ids
-        mostly_full = sample(rows, logits, num_candidates=2).token_ids
-        assert spy.full_rows > (40 if cases is without_k else 0)
+        narrow = build(rows, V, num_candidates=2)
+        _, kept = full_sort_kept(logits, narrow)
+        assert int((kept >= narrow.num_candidates).sum()) > (40 if cases is without_k else 0)
+        mostly_full = sampler(logits, narrow).token_ids
         assert torch.equal(default, every_candidate)
         assert torch.equal(mostly_full, every_candidate)
 
 
-def test_candidate_draw_equals_full_vocabulary_draw(monkeypatch):
+def test_candidate_draw_equals_full_vocabulary_draw():
     # Peaked rows (a few tokens far above the rest): the kept set lies inside the candidates, so
     # the sampler draws over those; a full-vocabulary draw at the same cutoff must agree.
     n, V = 256, 5000
@@ -186,28 +180,32 @@ def test_candidate_draw_equals_full_vocabulary_draw(monkeypatch):
     cases = [dict(top_p=0.9), dict(temperature=0.7, top_p=0.95), dict(top_k=20), dict(temperature=1.3, min_p=0.01),
              dict(temperature=0.6, top_k=20, top_p=0.95)]
     rows = [row(SamplingParams(**cases[s % len(cases)]), seed=s, output=[0] * (s % 3)) for s in range(n)]
-    spy = PathSpy(monkeypatch)
-    tokens = sample(rows, logits).token_ids
-    assert spy.full_rows == 0 and spy.candidate_rows == n
-    ((u, cutoff),) = spy.candidate_calls
-    temperature = torch.tensor([rows[s].params.temperature for s in range(n)])
+    meta = build(rows, V)
+    C = meta.num_candidates
+    cutoff, kept = full_sort_kept(logits, meta)
+    assert C < V and (kept < C).all()  # every row's kept tokens are among its C candidates
+    u = row_uniforms(meta.seeds, meta.steps)
     assert torch.equal(u, row_uniforms(torch.arange(n), torch.arange(n) % 3))
-    assert torch.equal(tokens, _draw_full(logits, temperature, u, cutoff))
+    full = draw_full(logits, meta.temperature, u, cutoff)
+    cand_vals, cand_ids = logits.topk(C, dim=-1)  # [n, C]
+    assert torch.equal(draw_candidates(cand_vals / meta.temperature[:, None], cand_ids, u, cutoff), full)
+    assert torch.equal(sampler(logits, meta).token_ids, full)
 
 
-def test_batch_mate_with_a_large_top_k_does_not_change_the_draw(monkeypatch):
+def test_batch_mate_with_a_large_top_k_does_not_change_the_draw():
     # Alone, these flat rows' nuclei run past NUM_CANDIDATES: full sort, full-vocabulary draw. A
     # batch-mate with top_k = V - 1 makes C = V, so the same rows now draw over candidates.
     V = 4000
     probe_logits = randn(8, V, seed=11)
     probes = [row(SamplingParams(temperature=0.9, top_p=0.9), seed=50 + i, output=[1] * i) for i in range(8)]
-    spy = PathSpy(monkeypatch)
-    alone = sample(probes, probe_logits).token_ids
-    assert spy.full_rows == 8
+    alone_meta = build(probes, V)
+    _, kept = full_sort_kept(probe_logits, alone_meta)
+    assert alone_meta.num_candidates == NUM_CANDIDATES and (kept >= NUM_CANDIDATES).all()
+    alone = sampler(probe_logits, alone_meta).token_ids
     mate = row(SamplingParams(top_k=V - 1), seed=1)
-    spy = PathSpy(monkeypatch)
-    together = sample(probes + [mate], torch.cat([probe_logits, randn(1, V, seed=12)])).token_ids
-    assert spy.full_rows == 0
+    together_meta = build(probes + [mate], V)
+    assert together_meta.num_candidates == V
+    together = sampler(torch.cat([probe_logits, randn(1, V, seed=12)]), together_meta).token_ids
     assert torch.equal(together[:8], alone)
 
 
@@ -216,7 +214,7 @@ def test_inverse_cdf_never_picks_a_zero_weight_token():
     # either end of the row can never be picked, even where u * total rounds up to total.
     w = torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0], [0.0, 1e-30, 1.0, 0.0], [3.0, 0.0, 0.0, 0.0]])
     for u in (2.0**-53, 0.5, 1 - 2.0**-53):
-        idx = _inverse_cdf(w.clone(), torch.full((4,), u, dtype=torch.float64))
+        idx = inverse_cdf(w.clone(), torch.full((4,), u, dtype=torch.float64))
         assert idx[:2].tolist() == [1, 2] and idx[2].item() in (1, 2) and idx[3].item() == 0
 
 
@@ -249,13 +247,13 @@ def test_penalties_match_reference():
         rows.append(row(params, seed=b, prompt=prompt, output=output))
         expected.append(reference_penalties(logits[b].tolist(), prompt, output, rep, freq, pres))
     expected = torch.tensor(expected)
-    meta = SamplingMetadata.build(rows, V, CPU)
+    meta = build(rows, V)
     torch.testing.assert_close(apply_penalties(logits, meta), expected, rtol=1e-6, atol=1e-6)
     assert torch.equal(sampler(logits, meta).token_ids, expected.argmax(-1))
 
 
 def test_no_penalty_means_no_penalty_tensors():
-    meta = SamplingMetadata.build([row(output=[1, 2, 2])], 10, CPU)
+    meta = build([row(output=[1, 2, 2])], 10)
     assert meta.seen_mask is None and meta.output_counts is None
     logits = randn(1, 10)
     assert apply_penalties(logits, meta) is logits
@@ -410,15 +408,78 @@ def test_row_uniforms_are_uniform():
 
 
 def test_user_errors_raise_value_error():
-    meta = SamplingMetadata.build([row()], 10, CPU)
+    meta = build([row()], 10)
     with pytest.raises(ValueError):
         sampler(torch.zeros(2, 10), meta)
-    with pytest.raises(ValueError):
-        SamplingMetadata.build([row(SamplingParams(presence_penalty=1.0), output=[10])], 10, CPU)
-    with pytest.raises(ValueError):
-        SamplingMetadata.build([row(suppressed=[-1])], 10, CPU)
-    with pytest.raises(ValueError):
-        SamplingMetadata.build([row(seed=2**63)], 10, CPU)
+    # Request fields are checked once, when the request's spec is made for the model, never per
+    # step. Prompt token ids and the seeds of n > 1 samples are the engine's to check at
+    # add_request (tests/test_errors.py); generated tokens come from the model itself.
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        SamplingSpec.from_params(SamplingParams(stop_token_ids=[10], min_tokens=1), 10, [])
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        SamplingSpec.from_params(SamplingParams(stop_token_ids=[3, 10]), 10, [])
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=[-1])
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2**63)
+
+
+def test_spec_is_normalised_for_the_model():
+    V = 100
+    spec = SamplingSpec.from_params(SamplingParams(temperature=0.0, top_k=5, top_p=0.5, min_p=0.1, logprobs=500), V, [])
+    assert spec.greedy and (spec.temperature, spec.top_k, spec.top_p, spec.min_p) == (1.0, 0, 1.0, 0.0)
+    assert spec.logprobs == V
+    assert SamplingSpec.from_params(SamplingParams(temperature=0.7, top_k=1), V, []).greedy
+    assert SamplingSpec.from_params(SamplingParams(top_k=V), V, []).top_k == 0
+    assert SamplingSpec.from_params(SamplingParams(top_k=V - 1), V, []).top_k == V - 1
+    # Suppressed until min_tokens: stop ids, then EOS unless ignored; an EOS id past the model's
+    # logits can never be sampled, so there is nothing to mask.
+    params = SamplingParams(min_tokens=3, stop_token_ids=[7, 2])
+    assert SamplingSpec.from_params(params, V, [2, 99, 100]).suppressed_token_ids == (7, 2, 99)
+    ignore_eos = dataclasses.replace(params, ignore_eos=True)
+    assert SamplingSpec.from_params(ignore_eos, V, [2, 99]).suppressed_token_ids == (7, 2)
+    assert SamplingSpec.from_params(dataclasses.replace(params, min_tokens=0), V, [5]).suppressed_token_ids == ()
+
+
+class UnreadableTokens:
+    """A token history whose length may be asked, but whose tokens must not be read."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        raise AssertionError("a token history was read")
+
+    def __getitem__(self, index):
+        raise AssertionError("a token history was read")
+
+
+def test_build_reads_token_histories_only_for_penalised_rows():
+    V = 50
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9, logprobs=2),
+              SamplingParams(top_k=5, min_tokens=4, stop_token_ids=[3]), SamplingParams(min_p=0.2)]
+    rows = [
+        SamplingRow(SamplingSpec.from_params(p, V, [1]), seed=i, token_ids=UnreadableTokens(n), num_prompt_tokens=4)
+        for i, (p, n) in enumerate(zip(params, [6, 7, 7, 9]))
+    ]
+    meta = SamplingMetadata.build(rows, V, CPU)
+    assert meta.steps.tolist() == [2, 3, 3, 5]
+    assert meta.suppressed.T.tolist() == [[2, 3], [2, 1]]  # row 2 has 3 < min_tokens tokens
+    assert meta.seen_mask is None and meta.output_counts is None
+    logits = randn(4, V, seed=13)
+    logits[2, [1, 3]] = 100.0
+    out = sampler(logits, meta)
+    assert out.token_ids[2].item() not in (1, 3) and out.logprobs.shape == (4,)
+
+    # A penalised batch-mate: only its own history is read.
+    spec = SamplingSpec.from_params(SamplingParams(repetition_penalty=1.3, presence_penalty=0.5), V, [])
+    meta = SamplingMetadata.build(rows + [SamplingRow(spec, 9, [4, 4, 8, 9, 8], 2)], V, CPU)
+    assert meta.seen_mask[4].nonzero().squeeze(1).tolist() == [4, 8, 9] and not meta.seen_mask[:4].any()
+    assert meta.output_counts[4, [8, 9]].tolist() == [2.0, 1.0] and meta.output_counts.sum().item() == 3.0
+    sampler(torch.cat([logits, randn(1, V, seed=14)]), meta)
 
 
 def test_empty_batch():

@@ -99,7 +99,7 @@ def test_ranks_agree_on_the_smallest_kv_cache(tiny_model):
     from nanoserve.engine.model_runner import ModelRunner
 
     config = Config(tiny_model, device="cpu", dtype="float32", num_kvcache_blocks=40, max_model_len=64)
-    runner = ModelRunner(config, torch.device("cpu"), [])
+    runner = ModelRunner(config, torch.device("cpu"))
     assert agree_num_kvcache_blocks(runner, _OtherRankHas25Blocks()) == 25
     assert runner.num_kvcache_blocks == 25 and runner.kv_cache.shape[2] == 25
     assert all(a.k_cache.data_ptr() == runner.kv_cache[0, i].data_ptr() and a.k_cache.shape[0] == 25

@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 
 class TPModelRunner:
-    def __init__(self, config: Config, device: torch.device, eos_token_ids: list[int]) -> None:
+    def __init__(self, config: Config, device: torch.device) -> None:
         size = config.tensor_parallel_size
         if device.type == "cuda" and torch.cuda.device_count() < size:
             raise ValueError(
@@ -42,9 +42,9 @@ class TPModelRunner:
         self._runner: ModelRunner | None = None
         self._broken: str | None = None
         try:
-            self._workers.start(config, device, eos_token_ids, process_group.threads_per_rank(size))
+            self._workers.start(config, device, process_group.threads_per_rank(size))
             with process_group.torch_threads(self.num_threads):
-                runner = ModelRunner(config, process_group.rank_device(device, 0), eos_token_ids, self.group)
+                runner = ModelRunner(config, process_group.rank_device(device, 0), self.group)
             self._workers.wait_ready()
             process_group.connect(self.group, runner.device, self._workers.store)
             agree_num_kvcache_blocks(runner, self.group)

@@ -42,7 +42,7 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 def worker_main(
-    rank: int, size: int, config: Config, device_str: str, eos_token_ids: list[int], port: int,
+    rank: int, size: int, config: Config, device_str: str, port: int,
     conn, parent_pid: int, num_threads: int,
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it stops us
@@ -53,7 +53,7 @@ def worker_main(
         if device.type == "cuda":
             torch.cuda.set_device(device)
         group = TPGroup(rank, size)
-        runner = ModelRunner(config, device, eos_token_ids, group)
+        runner = ModelRunner(config, device, group)
         send_message(conn, "ready", runner.num_kvcache_blocks)
         process_group.connect(group, device, process_group.join_store(port, size))
         agree_num_kvcache_blocks(runner, group)

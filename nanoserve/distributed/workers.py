@@ -44,15 +44,15 @@ class Workers:
         self.store = None
         self.closed = False
 
-    def start(self, config: Config, device: torch.device, eos_token_ids: list[int], num_threads: int) -> None:
+    def start(self, config: Config, device: torch.device, num_threads: int) -> None:
         self.store = process_group.open_store(self.size)
         ctx = mp.get_context("spawn")
         for rank in range(1, self.size):
             parent_conn, child_conn = ctx.Pipe(duplex=True)
             proc = ctx.Process(
                 target=worker_main,
-                args=(rank, self.size, config, str(process_group.rank_device(device, rank)), eos_token_ids,
-                      self.store.port, child_conn, os.getpid(), num_threads),
+                args=(rank, self.size, config, str(process_group.rank_device(device, rank)), self.store.port,
+                      child_conn, os.getpid(), num_threads),
                 name=f"nanoserve-tp-rank{rank}",
                 daemon=True,  # multiprocessing also terminates daemonic children at interpreter exit
             )

@@ -17,6 +17,7 @@ from nanoserve.engine.model_runner import ModelRunner, StepOutput, resolve_devic
 from nanoserve.engine.scheduler import ScheduledBatch, Scheduler
 from nanoserve.engine.sequence import Sequence
 from nanoserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from nanoserve.sampling import SamplingSpec
 from nanoserve.sampling_params import SamplingParams
 
 
@@ -98,8 +99,8 @@ class LLMEngine:
         if self.config.tensor_parallel_size > 1:
             from nanoserve.distributed.executor import TPModelRunner
 
-            return TPModelRunner(self.config, self.device, self.eos_token_ids)
-        return ModelRunner(self.config, self.device, self.eos_token_ids)
+            return TPModelRunner(self.config, self.device)
+        return ModelRunner(self.config, self.device)
 
     def _check_kv_cache_fits(self) -> None:
         block_size = self.block_size
@@ -118,8 +119,8 @@ class LLMEngine:
         keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
         return SamplingParams(**{k: self.generation_config[k] for k in keys if k in self.generation_config})
 
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Every check that can fail, before any work starts."""
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingSpec:
+        """Every check that can fail, before any work starts; returns the request's SamplingSpec."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         if not prompt_token_ids:
@@ -133,9 +134,15 @@ class LLMEngine:
             )
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
+        if params.seed is not None and params.seed + params.n - 1 >= 2**63:
+            raise ValueError(
+                f"seed must be in [0, {2**63 - params.n + 1}) for n={params.n} (sample i uses seed + i, "
+                f"which must stay below 2**63), got {params.seed}"
+            )
+        return SamplingSpec.from_params(params, self.vocab_size, self.eos_token_ids)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None) -> str:
-        self.validate_request(prompt_token_ids, params)
+        spec = self.validate_request(prompt_token_ids, params)
         request_id = str(self._next_request_id)
         self._next_request_id += 1
         limit = max(self.config.max_model_len, len(prompt_token_ids) + 1)
@@ -143,7 +150,7 @@ class LLMEngine:
         seqs = []
         for i in range(params.n):
             seed = params.seed + i if params.seed is not None else self._rng.getrandbits(63)
-            seqs.append(Sequence(self._next_seq_id, request_id, i, prompt_token_ids, params, max_total, seed))
+            seqs.append(Sequence(self._next_seq_id, request_id, i, prompt_token_ids, params, max_total, seed, spec))
             self._next_seq_id += 1
         seqs[0].children = seqs[1:]
         detokenizers = [self._detokenizer(prompt_token_ids, params) for _ in seqs]

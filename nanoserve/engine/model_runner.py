@@ -20,9 +20,9 @@ from nanoserve.engine.scheduler import ScheduledBatch
 from nanoserve.engine.sequence import Sequence
 from nanoserve.layers.attention import Attention
 from nanoserve.layers.context import ModelContext
-from nanoserve.layers.sampler import Sampler, SamplingMetadata, SamplingRow
 from nanoserve.models import model_class
 from nanoserve.models.loader import load_weights, prepare_weights
+from nanoserve.sampling import Sampler, SamplingMetadata, SamplingRow
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +54,9 @@ def resolve_dtype(dtype: str, hf_config: dict, device: torch.device) -> torch.dt
 
 
 class ModelRunner:
-    def __init__(
-        self, config: Config, device: torch.device, eos_token_ids: list[int], tp: TPGroup | None = None
-    ) -> None:
+    def __init__(self, config: Config, device: torch.device, tp: TPGroup | None = None) -> None:
         self.config = config
         self.device = device
-        self.eos_token_ids = eos_token_ids
         cfg = config.hf_config
         self.dtype = resolve_dtype(config.dtype, cfg, device)
         self.vocab_size = cfg["vocab_size"]
@@ -164,7 +161,7 @@ class ModelRunner:
         rows = [seq for seq, samples in zip(batch.seqs, batch.samples) if samples]
         if not rows:
             return StepOutput([], None, None)
-        meta = SamplingMetadata.build([self._sampling_row(seq) for seq in rows], self.vocab_size, self.device)
+        meta = SamplingMetadata.build([sampling_row(seq) for seq in rows], self.vocab_size, self.device)
         out = self.sampler(logits, meta)
         token_ids = out.token_ids.tolist()
         if out.logprobs is None:
@@ -178,15 +175,8 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> StepOutput:
         return self.sample(batch, self.execute(self.prepare_inputs(batch)))
 
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
-        params = seq.params
-        suppressed: list[int] = []
-        if seq.num_output_tokens < params.min_tokens:
-            suppressed = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_token_ids))
-        return SamplingRow(
-            params=params,
-            prompt_token_ids=seq.prompt_token_ids,
-            output_token_ids=seq.output_token_ids,
-            seed=seq.seed,
-            suppressed_token_ids=suppressed,
-        )
+
+def sampling_row(seq: Sequence) -> SamplingRow:
+    """The sampler's view of a sequence: its spec and its own token list (not a copy)."""
+    assert seq.sampling_spec is not None, f"sequence {seq.seq_id} has no SamplingSpec: the engine sets it"
+    return SamplingRow(seq.sampling_spec, seq.seed, seq.token_ids, seq.num_prompt_tokens)

@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 from enum import Enum, auto
+from typing import TYPE_CHECKING
 
 from nanoserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the scheduler side never imports torch
+    from nanoserve.sampling.metadata import SamplingSpec
 
 
 class SequenceStatus(Enum):
@@ -28,6 +32,7 @@ class Sequence:
         params: SamplingParams,
         max_total_tokens: int,
         seed: int,
+        sampling_spec: SamplingSpec | None = None,
     ) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
@@ -37,6 +42,7 @@ class Sequence:
         self.params = params
         self.max_total_tokens = max_total_tokens  # min(prompt + max_tokens, max_model_len)
         self.seed = seed
+        self.sampling_spec = sampling_spec  # `params` checked against the model; set by the engine
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens: int | None = None  # prompt tokens the prefix cache served, set when first scheduled

@@ -1,0 +1,84 @@
+"""Turn a batch of logits into next tokens, with vLLM's sampling semantics.
+
+Per step the engine describes each row with a SamplingRow; SamplingMetadata.build turns the rows
+into per-row tensors once; Sampler.forward then works on the whole batch at once, with no Python
+loop over rows or over the vocabulary.
+
+Order of operations (vLLM's):
+  1. logprobs (if any row asked) from the RAW logits: log_softmax before anything below.
+  2. suppressed tokens (EOS / stop ids while min_tokens is not reached) -> -inf.
+  3. penalties: repetition (over prompt + output), frequency and presence (over the output).
+  4. greedy rows (temperature 0, or top_k 1, which keeps the same single token) take the argmax.
+  5. the other rows: logits / temperature, then top_k, top_p, min_p, then a seeded draw
+     (filters.py: one cutoff per row, an inverse-CDF draw with a counter-based uniform).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nanoserve.sampling.filters import apply_penalties, draw_filtered, draw_full
+from nanoserve.sampling.metadata import SamplingMetadata
+from nanoserve.sampling.rng import row_uniforms
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None  # [B] float32, logprob of the sampled token; None if nobody asked
+    topk_token_ids: torch.Tensor | None  # [B, K] int64, K = max logprobs asked (may be 0)
+    topk_logprobs: torch.Tensor | None  # [B, K] float32
+
+
+def _take(t: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
+    """t[rows] for sorted, unique rows, without copying when they are all of t."""
+    return t if t is None or rows.numel() == t.shape[0] else t[rows]
+
+
+class Sampler(torch.nn.Module):
+    """logits [B, V] (any float dtype; computed in float32) + SamplingMetadata -> SamplerOutput."""
+
+    def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        if logits.dim() != 2 or tuple(logits.shape) != (meta.num_rows, meta.vocab_size):
+            raise ValueError(
+                f"logits must be [{meta.num_rows}, {meta.vocab_size}], got {list(logits.shape)}"
+            )
+        no_processing = (meta.suppressed is None and meta.repetition_penalty is None
+                         and meta.frequency_penalty is None and meta.presence_penalty is None)
+        if meta.all_greedy and no_processing and meta.max_num_logprobs is None:
+            # The common path: float32 conversion is exact and monotone, so skip it for argmax.
+            return SamplerOutput(logits.argmax(-1), None, None, None)
+        raw = logits.float()  # [B, V]; may be the caller's tensor, so never written in place
+
+        logits = raw
+        if meta.suppressed is not None:
+            logits = logits.index_put((meta.suppressed[0], meta.suppressed[1]), raw.new_tensor(float("-inf")))
+        logits = apply_penalties(logits, meta)
+        token_ids = self._sample(logits, meta)
+
+        logprobs = topk_ids = topk_logprobs = None
+        if meta.max_num_logprobs is not None:
+            # log_softmax(raw) at a few positions only: raw - logsumexp, no [B, V] result.
+            lse = raw.logsumexp(-1, keepdim=True)  # [B, 1]
+            logprobs = (raw.gather(1, token_ids[:, None]) - lse).squeeze(1)
+            top_vals, topk_ids = raw.topk(meta.max_num_logprobs, dim=-1)  # [B, K]
+            topk_logprobs = top_vals - lse
+        return SamplerOutput(token_ids, logprobs, topk_ids, topk_logprobs)
+
+    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """[B, V] processed logits (never written to) -> [B] int64 token ids."""
+        if meta.all_greedy:
+            return logits.argmax(-1)  # ties go to the lowest id
+        # The greedy rows' answer; the sampled rows are overwritten below.
+        token_ids = logits.argmax(-1) if meta.any_greedy else logits.new_empty(meta.num_rows, dtype=torch.int64)
+        u = row_uniforms(meta.seeds, meta.steps)  # [B]
+        temperature = meta.temperature if meta.need_temperature else None
+        if (rows := meta.plain_rows) is not None:  # temperature only: the whole vocabulary
+            token_ids[rows] = draw_full(_take(logits, rows), _take(temperature, rows), u[rows], None)
+        if (rows := meta.filtered_rows) is not None:
+            token_ids[rows] = draw_filtered(
+                _take(logits, rows), _take(temperature, rows), u[rows],
+                meta.top_k[rows], meta.top_p[rows], meta.min_p[rows], meta,
+            )
+        return token_ids
