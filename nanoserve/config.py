@@ -8,6 +8,8 @@ from dataclasses import dataclass, field, fields
 from nanoserve.models import SUPPORTED_ARCHITECTURES, check_supported, sliding_window
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+# vLLM's spellings of the same dtypes (torch.dtype values are accepted too).
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "flash_attn", "triton")  # see nanoserve/backends
 WEIGHT_SUFFIXES = (".safetensors",)
@@ -15,11 +17,13 @@ WEIGHT_SUFFIXES = (".safetensors",)
 
 @dataclass
 class Config:
-    """Every knob of the engine. `LLM(model, **kwargs)` takes these fields as kwargs."""
+    """Every knob of the engine. `LLM(model, **kwargs)` takes these fields, and vLLM's names for
+    them (see nanoserve/engine_args.py), as kwargs."""
 
     model: str
+    tokenizer: str | None = None  # None = the model directory; or another local tokenizer directory
     device: str = "auto"
-    dtype: str = "auto"
+    dtype: str = "auto"  # also vLLM's "half" / "float" and torch dtypes, stored as one of DTYPES
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None  # None = min(4096, max_position_embeddings)
@@ -38,6 +42,8 @@ class Config:
 
     def __post_init__(self) -> None:
         self._check_model_dir()
+        self._check_tokenizer_dir()
+        self.dtype = canonical_dtype(self.dtype)
         self._check_choices()
         self._check_ints()
         self.hf_config = self._read_hf_config()
@@ -77,8 +83,20 @@ class Config:
         if not any(f.endswith(WEIGHT_SUFFIXES) for f in os.listdir(self.model)):
             raise ValueError(f"model directory {self.model!r} has no *.safetensors weights")
 
+    def _check_tokenizer_dir(self) -> None:
+        if self.tokenizer is None:
+            self.tokenizer = self.model
+            return
+        if not isinstance(self.tokenizer, (str, os.PathLike)):
+            raise TypeError(f"tokenizer must be a path to a tokenizer directory, got {type(self.tokenizer).__name__}")
+        self.tokenizer = os.fspath(self.tokenizer)
+        if not os.path.isdir(self.tokenizer):
+            raise ValueError(
+                f"tokenizer directory {self.tokenizer!r} does not exist (no model hub: pass a local path)"
+            )
+
     def _check_choices(self) -> None:
-        for name, allowed in (("device", DEVICES), ("dtype", DTYPES), ("attention_backend", ATTENTION_BACKENDS)):
+        for name, allowed in (("device", DEVICES), ("attention_backend", ATTENTION_BACKENDS)):
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
@@ -128,3 +146,19 @@ class Config:
     def _read_hf_config(self) -> dict:
         with open(os.path.join(self.model, "config.json")) as f:
             return json.load(f)
+
+
+def canonical_dtype(dtype) -> str:
+    """One of DTYPES from any spelling vLLM accepts: "half", "float", "bfloat16", torch.float16, ..."""
+    import torch
+
+    if isinstance(dtype, torch.dtype):
+        names = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+        if dtype not in names:
+            raise ValueError(f"dtype must be one of {DTYPES} (or torch.bfloat16/float16/float32), got {dtype}")
+        return names[dtype]
+    if isinstance(dtype, str) and dtype.lower() in DTYPES + tuple(DTYPE_ALIASES):
+        return DTYPE_ALIASES.get(dtype.lower(), dtype.lower())
+    raise ValueError(
+        f"dtype must be one of {DTYPES}, vLLM's aliases {tuple(DTYPE_ALIASES)} or a torch dtype, got {dtype!r}"
+    )

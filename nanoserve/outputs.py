@@ -3,6 +3,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# repr() of outputs stays short: printing a list of results in a notebook must not dump
+# thousands of token ids. Longer lists and texts are elided in the middle, with their length.
+_MAX_LIST_ITEMS = 8
+_MAX_TEXT_CHARS = 200
+
+
+def short_list(items: list | None, unit: str = "ids") -> str:
+    if items is None or len(items) <= _MAX_LIST_ITEMS:
+        return repr(items)
+    head = ", ".join(repr(x) for x in items[: _MAX_LIST_ITEMS - 2])
+    return f"[{head}, ..., {items[-1]!r}] ({len(items)} {unit})"
+
+
+def short_text(text: str | None) -> str:
+    if text is None or len(text) <= _MAX_TEXT_CHARS:
+        return repr(text)
+    keep = _MAX_TEXT_CHARS // 2
+    return f"{text[:keep]!r}...{text[-keep // 2:]!r} ({len(text)} chars)"
+
 
 @dataclass
 class Logprob:
@@ -23,6 +42,14 @@ class CompletionOutput:
 
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def __repr__(self) -> str:
+        logprobs = "None" if self.logprobs is None else f"<{len(self.logprobs)} positions>"
+        return (
+            f"CompletionOutput(index={self.index}, text={short_text(self.text)}, "
+            f"token_ids={short_list(self.token_ids)}, cumulative_logprob={self.cumulative_logprob}, "
+            f"logprobs={logprobs}, finish_reason={self.finish_reason!r}, stop_reason={self.stop_reason!r})"
+        )
 
 
 @dataclass
@@ -56,3 +83,10 @@ class RequestOutput:
     num_cached_tokens: int = 0
     finished: bool = True
     metrics: RequestMetrics | None = field(default=None, repr=False)
+
+    def __repr__(self) -> str:
+        return (
+            f"RequestOutput(request_id={self.request_id!r}, prompt={short_text(self.prompt)}, "
+            f"prompt_token_ids={short_list(self.prompt_token_ids)}, outputs={self.outputs!r}, "
+            f"num_cached_tokens={self.num_cached_tokens}, finished={self.finished})"
+        )

@@ -1,6 +1,7 @@
 """SamplingParams with vLLM's names, defaults and validation."""
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, fields
 
 
@@ -12,9 +13,17 @@ def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-@dataclass
+# Shown by repr() whatever their value; every other field only when it differs from its default.
+_ALWAYS_SHOWN = ("n", "temperature", "top_p", "top_k", "max_tokens")
+
+
+@dataclass(repr=False)
 class SamplingParams:
-    """How to sample one request. temperature=0 means greedy; top_k 0 or -1 disables top-k."""
+    """How to sample one request. temperature=0 means greedy; top_k 0 or -1 disables top-k.
+
+    Mutable, like vLLM's: a field set after construction is checked and normalised again when
+    the request is added (`validate()`), with the same messages as at construction.
+    """
 
     n: int = 1
     temperature: float = 1.0
@@ -36,6 +45,10 @@ class SamplingParams:
     detokenize: bool = True  # False skips text (and stop strings) entirely, e.g. in benchmarks
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field and normalise in place (stop str -> [str], top_k -1 -> 0); idempotent."""
         self._check_types()
         self._check_ranges()
         if isinstance(self.stop, str):
@@ -48,6 +61,18 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def clone(self) -> SamplingParams:
+        """A deep copy: changing the clone (or its stop lists) leaves this one untouched."""
+        return copy.deepcopy(self)
+
+    def __repr__(self) -> str:
+        shown = [
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in fields(self)
+            if f.name in _ALWAYS_SHOWN or getattr(self, f.name) != _default(f)
+        ]
+        return f"SamplingParams({', '.join(shown)})"
 
     def _check_types(self) -> None:
         for name in ("n", "top_k", "min_tokens"):
@@ -109,3 +134,8 @@ class SamplingParams:
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
+
+
+def _default(f):
+    # After validate(), None lists are stored as []: compare against that normalised form.
+    return [] if f.name in ("stop", "stop_token_ids") else f.default

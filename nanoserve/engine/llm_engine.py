@@ -73,7 +73,7 @@ def eos_token_ids(tokenizer, generation_config: dict) -> list[int]:
 class LLMEngine:
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
         self.generation_config = read_generation_config(config.model)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.generation_config)
         self.vocab_size = config.hf_config["vocab_size"]
@@ -123,6 +123,7 @@ class LLMEngine:
         """Every check that can fail, before any work starts; returns the request's SamplingSpec."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        params.validate()  # fields may have been set after construction, as vLLM's scripts do
         if not prompt_token_ids:
             raise ValueError("prompt is empty: a prompt needs at least one token")
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
