@@ -35,7 +35,7 @@ class Config:
     enable_chunked_prefill: bool = True
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
-    attention_backend: str = "auto"
+    attention_backend: str | type = "auto"  # a name (nanoserve.backends) or a Backend subclass
     seed: int = 0
     # Read from the checkpoint in __post_init__; not meant to be passed by users.
     hf_config: dict = field(default_factory=dict, repr=False)
@@ -98,6 +98,8 @@ class Config:
     def _check_choices(self) -> None:
         for name, allowed in (("device", DEVICES), ("attention_backend", ATTENTION_BACKENDS)):
             value = getattr(self, name)
+            if name == "attention_backend" and isinstance(value, type):
+                continue  # a Backend subclass, checked when it is built (nanoserve.backends.select_backend)
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):

@@ -206,7 +206,7 @@ class LLM:
         return True
 
     def close(self) -> None:
-        """Stop tensor-parallel workers (a no-op for a single-process engine)."""
+        """Release the model, the KV cache and any tensor-parallel workers; generate() raises after this."""
         self.engine.close()
 
     def __enter__(self) -> "LLM":

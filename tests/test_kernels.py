@@ -235,6 +235,31 @@ def test_triton_kernel_matches_torch(case: str, triton_results: dict) -> None:
     assert result["ok"], f"{case}: {result['detail']}"
 
 
+def test_triton_decode_compiles_a_bounded_set_of_variants() -> None:
+    """A sweep over batch sizes and context lengths (an H100's 132 SMs, up to 32k keys) needs at most
+    two decode variants and one merge variant: nothing that changes per step is a compile-time
+    argument, and the per-step integers are not specialised on."""
+    pytest.importorskip("triton")
+    from nanoserve.kernels import triton_paged_attention as tpa
+
+    q = torch.empty(1, 32, 128, dtype=torch.bfloat16)
+    k_cache = torch.empty(1, 16, 8, 128, dtype=torch.bfloat16)
+    variants, splits = set(), set()
+    for num_seqs in (1, 2, 3, 8, 17, 64, 255, 256):
+        for context in (1, 100, 257, 1000, 4096, 20000, 32768):
+            n = tpa.default_num_kv_splits(132, num_seqs, 8, context)
+            assert 1 <= n <= tpa.MAX_KV_SPLITS
+            splits.add(n)
+            variants.add(tuple(sorted(tpa.decode_constexprs(q, k_cache, n).items())))
+    assert len(splits) > 5, "the sweep should exercise many split counts"
+    assert len(variants) <= 2
+    for kernel, runtime in ((tpa._paged_attn_decode_kernel, {"stride_bt_seq", "num_splits"}),
+                            (tpa._paged_attn_varlen_kernel, {"stride_bt_seq"}),
+                            (tpa._merge_kv_splits_kernel, {"num_splits"})):
+        assert runtime <= {p.name for p in kernel.params if p.do_not_specialize}
+        assert not runtime & {p.name for p in kernel.params if p.is_constexpr}
+
+
 def test_flash_attn_wrapper_is_lazy_and_reports_block_sizes(tmp_path, monkeypatch) -> None:
     from nanoserve.kernels import flash_attn as fa
 

@@ -64,6 +64,7 @@ def test_channel_packs_tensors_as_raw_bytes_and_checks_size(monkeypatch):
         prefill_cu_seqlens_q=torch.tensor([0, 2], dtype=torch.int32),
         prefill_block_tables=torch.zeros(1, 0, dtype=torch.int32),
         prefill_context_lens=torch.tensor([2], dtype=torch.int32), prefill_max_seqlen_q=2, prefill_max_context_len=2,
+        prefills_have_context=False,
     )
     inputs = ModelInputs(torch.tensor([9, 8, 7]), torch.tensor([4, 0, 1]), meta, torch.tensor([0, 2]))
     packed = channel.pack(inputs)

@@ -1,9 +1,12 @@
 """One backend per device class, chosen once at startup (see base.py for what a backend owns).
 
   cpu         CPUBackend: C kernels and a GEMM choice per CPU class (the CPU default)
-  torch       the pure-PyTorch reference (on CUDA: with the Triton K/V store)
+  torch       the pure-PyTorch reference (on CUDA: with the Triton K/V store, no CUDA graphs)
   triton      TritonBackend: Triton paged attention (the CUDA default without flash-attn)
   flash_attn  FlashAttnBackend: flash-attn 2 (the CUDA default where installed and usable)
+
+`attention_backend` may also be a Backend subclass, built as cls(device, dtype): a new device
+(or a test double) plugs in without touching the engine.
 """
 from __future__ import annotations
 
@@ -20,13 +23,20 @@ logger = logging.getLogger(__name__)
 __all__ = ["AttentionMetadata", "Backend", "BACKEND_NAMES", "select_backend"]
 
 
-def select_backend(device: torch.device, dtype: torch.dtype, requested: str, block_size: int | None) -> Backend:
+def select_backend(
+    device: torch.device, dtype: torch.dtype, requested: str | type, block_size: int | None, head_dim: int
+) -> Backend:
     """The backend for this device: `requested` if it can run here, else a clear ValueError."""
-    if requested not in BACKEND_NAMES:
+    if isinstance(requested, type):
+        if not issubclass(requested, Backend):
+            raise TypeError(f"attention_backend must be a name or a Backend subclass, got {requested!r}")
+        backend = requested(device, dtype)
+    elif requested not in BACKEND_NAMES:
         raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, got {requested!r}")
-    backend = _select_cuda(device, dtype, requested, block_size) if device.type == "cuda" else _select_cpu(
-        device, dtype, requested
-    )
+    elif device.type == "cuda":
+        backend = _select_cuda(device, dtype, requested, block_size, head_dim)
+    else:
+        backend = _select_cpu(device, dtype, requested)
     logger.info("backend: %s", backend.describe())
     return backend
 
@@ -41,28 +51,44 @@ def _select_cpu(device: torch.device, dtype: torch.dtype, requested: str) -> Bac
     return CPUBackend(device, dtype, CPUOptions.from_env())
 
 
-def _select_cuda(device: torch.device, dtype: torch.dtype, requested: str, block_size: int | None) -> Backend:
+def flash_attn_unusable(
+    device: torch.device, dtype: torch.dtype, block_size: int | None, head_dim: int
+) -> str | None:
+    """Why flash-attn 2 cannot run this engine here, or None if it can."""
     from nanoserve.kernels import flash_attn as fa
 
+    if not fa.flash_attn_available():
+        return "the flash-attn package is not installed (pip install nanoserve[cuda])"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < fa.MIN_COMPUTE_CAPABILITY:
+        return f"flash-attn 2 needs compute capability >= 8.0, this GPU has {capability[0]}.{capability[1]}"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"flash-attn 2 needs float16 or bfloat16, got {dtype}"
+    if block_size is not None and not fa.flash_attn_supports_block_size(block_size):
+        return f"flash-attn 2 needs a kvcache_block_size that is a multiple of 256, got {block_size}"
+    if not fa.flash_attn_supports_head_dim(head_dim):
+        return f"flash-attn 2 needs a head_dim that is a multiple of 8 and <= 256, got {head_dim}"
+    return None
+
+
+def _select_cuda(
+    device: torch.device, dtype: torch.dtype, requested: str, block_size: int | None, head_dim: int
+) -> Backend:
     if requested == "cpu":
         raise ValueError("attention_backend='cpu' runs on CPU only; on CUDA: 'flash_attn', 'triton' or 'torch'")
     if requested == "torch":
         from nanoserve.backends.triton import CUDATorchBackend
 
         return CUDATorchBackend(device, dtype)
-    half = dtype in (torch.float16, torch.bfloat16)
-    page_ok = block_size is None or fa.flash_attn_supports_block_size(block_size)
-    flash_ok = fa.flash_attn_available() and page_ok and half
-    if requested == "flash_attn" and not flash_ok:
-        raise ValueError(
-            "attention_backend='flash_attn' needs the flash-attn package (pip install nanoserve[cuda]), "
-            f"a kvcache_block_size that is a multiple of {fa.FLASH_ATTN_PAGE_BLOCK_MULTIPLE} (got {block_size}) "
-            f"and a float16/bfloat16 dtype (got {dtype})"
-        )
-    if requested == "flash_attn" or (requested == "auto" and flash_ok):
-        from nanoserve.backends.flash_attn import FlashAttnBackend
+    if requested in ("auto", "flash_attn"):
+        reason = flash_attn_unusable(device, dtype, block_size, head_dim)
+        if reason is None:
+            from nanoserve.backends.flash_attn import FlashAttnBackend
 
-        return FlashAttnBackend(device, dtype)
+            return FlashAttnBackend(device, dtype)
+        if requested == "flash_attn":
+            raise ValueError(f"attention_backend='flash_attn' cannot run: {reason}")
+        logger.info("flash-attn is not used (%s): the Triton backend runs instead", reason)
     from nanoserve.backends.triton import TritonBackend
 
     return TritonBackend(device, dtype)

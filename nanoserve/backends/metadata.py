@@ -24,6 +24,7 @@ class AttentionMetadata:
     prefill_context_lens: torch.Tensor  # [num_prefills] int32, cache length including the new tokens
     prefill_max_seqlen_q: int
     prefill_max_context_len: int
+    prefills_have_context: bool  # does any prefill sequence start after cached tokens (a known host fact)
 
     @property
     def num_prefills(self) -> int:

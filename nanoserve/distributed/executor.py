@@ -43,10 +43,12 @@ class TPModelRunner:
         self._broken: str | None = None
         try:
             self._workers.start(config, device, process_group.threads_per_rank(size))
+            rank0_device = process_group.rank_device(device, 0)
+            # Every rank connects before building its model: on CUDA the warm-up runs collectives.
+            process_group.connect(self.group, rank0_device, self._workers.store)
             with process_group.torch_threads(self.num_threads):
-                runner = ModelRunner(config, process_group.rank_device(device, 0), self.group)
+                runner = ModelRunner(config, rank0_device, self.group)
             self._workers.wait_ready()
-            process_group.connect(self.group, runner.device, self._workers.store)
             agree_num_kvcache_blocks(runner, self.group)
             self._runner = runner
         except BaseException:
@@ -121,4 +123,6 @@ class TPModelRunner:
         """Stop the workers and release rank 0's model and KV cache. Idempotent."""
         self._finalizer()
         self.group.process_group = None
+        if self._runner is not None:
+            self._runner.close()
         self._runner = None

@@ -53,9 +53,10 @@ def worker_main(
         if device.type == "cuda":
             torch.cuda.set_device(device)
         group = TPGroup(rank, size)
+        # Connected before the model is built: on CUDA its warm-up (memory profiling) runs collectives.
+        process_group.connect(group, device, process_group.join_store(port, size))
         runner = ModelRunner(config, device, group)
         send_message(conn, "ready", runner.num_kvcache_blocks)
-        process_group.connect(group, device, process_group.join_store(port, size))
         agree_num_kvcache_blocks(runner, group)
         while True:
             kind, payload = recv_message(conn)

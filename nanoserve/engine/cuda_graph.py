@@ -156,6 +156,7 @@ class StaticBuffers:
             prefill_context_lens=torch.zeros(0, dtype=torch.int32, device=device),
             prefill_max_seqlen_q=0,
             prefill_max_context_len=0,
+            prefills_have_context=False,
         )
 
 

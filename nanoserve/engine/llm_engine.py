@@ -262,9 +262,8 @@ class LLMEngine:
     # ---- cache management ------------------------------------------------------------------
 
     def close(self) -> None:
-        close = getattr(self.model_runner, "close", None)
-        if close is not None:
-            close()
+        """Release the model, the KV cache and (with tensor parallelism) the worker processes."""
+        self.model_runner.close()
 
     def abort_all(self) -> None:
         self.scheduler.abort_all()

@@ -60,6 +60,7 @@ def build_model_inputs(batch: ScheduledBatch, block_size: int, pin_memory: bool 
         prefill_context_lens=context_lens[nd:].int(),
         prefill_max_seqlen_q=int(prefill_q_lens.max()) if len(prefill_q_lens) else 0,
         prefill_max_context_len=int(context_lens[nd:].max()) if len(prefill_q_lens) else 0,
+        prefills_have_context=any(start > 0 for start in starts[nd:]),
     )
     sampling = torch.tensor(batch.samples, dtype=torch.bool)
     inputs = ModelInputs(

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from nanoserve.backends import select_backend
 from nanoserve.config import Config
 from nanoserve.distributed.group import TPGroup
+from nanoserve.engine import memory as mem
+from nanoserve.engine import warmup
+from nanoserve.engine.memory import CudaMemory, DeviceMemory
 from nanoserve.engine.model_inputs import ModelInputs, build_model_inputs, to_device
 from nanoserve.engine.scheduler import ScheduledBatch
 from nanoserve.engine.sequence import Sequence
@@ -54,22 +58,44 @@ def resolve_dtype(dtype: str, hf_config: dict, device: torch.device) -> torch.dt
 
 
 class ModelRunner:
-    def __init__(self, config: Config, device: torch.device, tp: TPGroup | None = None) -> None:
+    def __init__(
+        self, config: Config, device: torch.device, tp: TPGroup | None = None, memory: DeviceMemory | None = None
+    ) -> None:
+        """memory: the device memory API the KV cache is sized with (torch.cuda on CUDA when
+        num_kvcache_blocks is not given; tests pass a fake)."""
         self.config = config
         self.device = device
         cfg = config.hf_config
         self.dtype = resolve_dtype(config.dtype, cfg, device)
         self.vocab_size = cfg["vocab_size"]
-        self.backend = select_backend(device, self.dtype, config.attention_backend, config.kvcache_block_size)
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        self.backend = select_backend(
+            device, self.dtype, config.attention_backend, config.kvcache_block_size, head_dim
+        )
         self.block_size = config.kvcache_block_size or self.backend.preferred_block_size
-        self.model = self._load_model(ModelContext(self.backend, tp or TPGroup()))
+        self.blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.sampler = Sampler()
-        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.kv_cache = torch.empty(0)
-        self.resize_kv_cache(self._num_kvcache_blocks())
         self._cuda_graphs = None  # decode CUDA graphs (cuda_graph.py), captured at the first decode step
+        ctx = ModelContext(self.backend, tp or TPGroup())
+        if memory is None and device.type == "cuda" and config.num_kvcache_blocks is None:
+            memory = CudaMemory(device)
+        if memory is None:
+            self._load_model(ctx)
+            num_blocks = self._configured_num_blocks()
+        else:
+            profile = mem.profile(
+                memory, lambda: self._load_model(ctx), self.profile_run,
+                self._decode_profile_run if self.uses_cuda_graphs else None,
+            )
+            num_blocks = mem.num_kv_blocks(
+                profile, config.gpu_memory_utilization, self.kv_block_bytes, self.blocks_per_seq, config.max_model_len
+            )
+            logger.info("KV cache: %s", profile.describe(config.gpu_memory_utilization))
+        # Never more than every sequence at full length could use.
+        self.resize_kv_cache(min(num_blocks, config.max_num_seqs * self.blocks_per_seq))
 
-    def _load_model(self, ctx: ModelContext) -> torch.nn.Module:
+    def _load_model(self, ctx: ModelContext) -> None:
         cfg = self.config.hf_config
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
@@ -80,13 +106,20 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         load_weights(model, self.config.model)
         prepare_weights(model)
-        return model.eval()
+        self.model = model.eval()
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        # The transformer body without a reference back to the runner, for the CUDA graphs to hold.
+        self.forward = partial(run_model, self.model, self.backend)
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        return self.device.type == "cuda" and not self.config.enforce_eager and self.backend.supports_cuda_graphs
 
     # ---- KV cache --------------------------------------------------------------------------
 
     @property
     def num_kvcache_blocks(self) -> int:
-        return self.kv_cache.shape[2]
+        return self.kv_cache.shape[2] if self.kv_cache.dim() == 6 else 0
 
     @property
     def kv_block_bytes(self) -> int:
@@ -94,18 +127,10 @@ class ModelRunner:
         per_token = 2 * len(self.attention_layers) * layer.num_kv_heads * layer.head_dim
         return per_token * self.block_size * self.dtype.itemsize
 
-    def _num_kvcache_blocks(self) -> int:
+    def _configured_num_blocks(self) -> int:
         if self.config.num_kvcache_blocks is not None:
             return self.config.num_kvcache_blocks
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - total * (1 - self.config.gpu_memory_utilization)
-        else:
-            budget = self.config.cpu_kvcache_space_gib * 2**30
-        # Never more than every sequence at full length could use.
-        blocks_per_seq = (self.config.max_model_len + self.block_size - 1) // self.block_size
-        useful = self.config.max_num_seqs * blocks_per_seq
-        return max(0, min(int(budget // self.kv_block_bytes), useful))
+        return int(self.config.cpu_kvcache_space_gib * 2**30 // self.kv_block_bytes)
 
     def resize_kv_cache(self, num_blocks: int) -> None:
         """(Re)allocate the KV tensor with `num_blocks` blocks and bind every layer's views to it."""
@@ -121,6 +146,42 @@ class ModelRunner:
         for i, attn in enumerate(self.attention_layers):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 
+    # ---- warm-up: the worst-case step, for peak memory -------------------------------------
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """A forward at max_num_batched_tokens tokens and a sampler pass at max_num_seqs rows with
+        logprobs, over a scratch KV cache of one sequence (freed after)."""
+        cfg = self.config
+        self.resize_kv_cache(self.blocks_per_seq)
+        batch = warmup.prefill_batch(cfg.max_num_batched_tokens, cfg.max_model_len, cfg.max_num_seqs,
+                                     self.blocks_per_seq)
+        self.execute(self.prepare_inputs(batch))
+        hidden = torch.zeros(cfg.max_num_seqs, cfg.hf_config["hidden_size"], dtype=self.dtype, device=self.device)
+        logits = self.model.compute_logits(hidden)
+        if logits is not None:  # rank 0
+            rows = warmup.sampling_rows(cfg.max_num_seqs, self.vocab_size)
+            self.sampler(logits, SamplingMetadata.build(rows, self.vocab_size, self.device))
+        self.resize_kv_cache(0)
+
+    @torch.inference_mode()
+    def _decode_profile_run(self) -> None:
+        """A decode of max_num_seqs sequences: what the CUDA graphs' shared pool will hold."""
+        self.resize_kv_cache(self.blocks_per_seq)
+        inputs = to_device(self.prepare_inputs(warmup.decode_batch(self.config.max_num_seqs, 1)), self.device)
+        self.forward(inputs.input_ids, inputs.positions, inputs.meta)
+        self.resize_kv_cache(0)
+
+    def close(self) -> None:
+        """Release the model, the KV cache and the CUDA graphs (a second engine gets their memory)."""
+        self._cuda_graphs = None
+        self.resize_kv_cache(0)
+        self.model = self.forward = None
+        self.attention_layers = []
+        self.kv_cache = torch.empty(0)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     # ---- a step ----------------------------------------------------------------------------
 
     def prepare_inputs(self, batch: ScheduledBatch) -> ModelInputs:
@@ -129,6 +190,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inputs: ModelInputs) -> torch.Tensor | None:
         """Run the model; logits [num_sampling_rows, vocab] on rank 0 (None elsewhere)."""
+        if self.model is None:
+            raise RuntimeError("this LLM is closed")
         inputs = to_device(inputs, self.device)
         graphs = self._graphs_for(inputs)
         if graphs is not None:
@@ -137,13 +200,9 @@ class ModelRunner:
             hidden = self.forward(inputs.input_ids, inputs.positions, inputs.meta)
         return self.model.compute_logits(hidden[inputs.logits_indices])
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
-        """The transformer body: hidden states [num_tokens, hidden]. CUDA graphs capture this."""
-        return self.model(input_ids, positions, self.backend.prepare_metadata(meta))
-
     def _graphs_for(self, inputs: ModelInputs):
         """The decode CUDA graphs if this step can replay them (CUDA, not enforce_eager, decode only)."""
-        if self.device.type != "cuda" or self.config.enforce_eager or not self.backend.supports_cuda_graphs:
+        if not self.uses_cuda_graphs:
             return None
         from nanoserve.engine import cuda_graph  # CUDA only: a CPU run never imports it
 
@@ -174,6 +233,11 @@ class ModelRunner:
 
     def run(self, batch: ScheduledBatch) -> StepOutput:
         return self.sample(batch, self.execute(self.prepare_inputs(batch)))
+
+
+def run_model(model: torch.nn.Module, backend, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+    """The transformer body: hidden states [num_tokens, hidden]. CUDA graphs capture this."""
+    return model(input_ids, positions, backend.prepare_metadata(meta))
 
 
 def sampling_row(seq: Sequence) -> SamplingRow:

@@ -1,24 +1,22 @@
-"""Thin wrappers around flash-attn 2 with the signatures of the torch references.
+"""Thin wrappers around flash-attn 2 (Dao-AILab/flash-attention), with the upstream contract spelled out.
 
 `flash_attn` is imported inside the calls, never at module import, so this module loads on
-machines without it (CPU, or CUDA without the wheel); check `flash_attn_available()` first.
+machines without it; check `flash_attn_available()` first. The contract, as enforced in
+`csrc/flash_attn/flash_api.cpp` (`mha_varlen_fwd`) and documented in `flash_attn_interface.py`:
+  * q/k/v fp16 or bf16, all the same dtype, last dimension contiguous; head_dim a multiple of 8
+    and <= 256; compute capability >= 8.0 ("FlashAttention only supports Ampere GPUs or newer");
+  * cu_seqlens_q / cu_seqlens_k int32 and contiguous, [batch + 1]; block_table int32 with a
+    contiguous last dimension, [batch, max_blocks];
+  * paged KV: k/v are [num_blocks, page_block_size, nheads_k, headdim] with page_block_size % 256
+    == 0 ("Paged KV cache block size must be divisible by 256"); cu_seqlens_k still gives each
+    sequence's key count, the keys themselves are read through block_table;
+  * causal=True aligns the mask to the bottom right: query i of a sequence with q_len queries and
+    context_len keys sees keys 0..context_len - q_len + i, exactly the engine's semantics.
 
-Constraints of the upstream flash-attn 2 package (Dao-AILab/flash-attention), as documented in
-`flash_attn/flash_attn_interface.py` (flash_attn_with_kvcache docstring: "k_cache: ... or
-(num_blocks, page_block_size, nheads_k, headdim) if there's a block_table (i.e. paged KV cache)
-page_block_size must be a multiple of 256") and enforced in `csrc/flash_attn/flash_api.cpp`
-for both mha_varlen_fwd and mha_fwd_kvcache (`TORCH_CHECK(!paged_KV || page_block_size % 256
-== 0, "Paged KV cache block size must be divisible by 256")`):
-  * paged KV: the cache's block size must be a multiple of 256 (forks such as vLLM's
-    vllm-flash-attn relax this to 16, but the `flash_attn` package does not);
-  * q/k/v dtype fp16 or bf16, all the same, last dimension contiguous, head_dim <= 256;
-  * cu_seqlens_q, cu_seqlens_k, cache_seqlens and block_table must be int32 (block_table with a
-    contiguous last dimension);
-  * with a block_table, varlen still needs cu_seqlens_k [num_seqs + 1]: the cumulative
-    *context* lengths, which give each sequence's key count (keys are then addressed through
-    the block table, not through cu_seqlens_k offsets);
-  * causal=True aligns the mask to the bottom right, i.e. query i of a sequence with q_len
-    queries and context_len keys sees keys 0..context_len - q_len + i: exactly our semantics.
+Everything here goes through `flash_attn_varlen_func`. Decode uses it too (one query per sequence)
+instead of `flash_attn_with_kvcache`: after v2.8.3, mha_fwd_kvcache with a block table calls
+`seqlens_k.max().item()` (a host sync that breaks CUDA-graph capture); mha_varlen_fwd has none.
+Paged varlen needs flash-attn >= 2.5.7 (pinned in pyproject's `cuda` extra).
 """
 from __future__ import annotations
 
@@ -28,6 +26,7 @@ import torch
 
 # Upstream flash-attn 2: paged KV block size must be divisible by this (see module docstring).
 FLASH_ATTN_PAGE_BLOCK_MULTIPLE = 256
+MIN_COMPUTE_CAPABILITY = (8, 0)
 
 
 def flash_attn_available() -> bool:
@@ -36,69 +35,38 @@ def flash_attn_available() -> bool:
 
 
 def flash_attn_supports_block_size(block_size: int) -> bool:
-    """Whether flash-attn 2 accepts a paged KV cache with this block size.
-
-    flash-attn 2 (Dao-AILab/flash-attention, flash_attn_interface.py: "page_block_size must be a
-    multiple of 256"; flash_api.cpp raises "Paged KV cache block size must be divisible by 256"
-    in both varlen_fwd and fwd_kvcache) only takes block sizes that are multiples of 256.
-    """
     return block_size > 0 and block_size % FLASH_ATTN_PAGE_BLOCK_MULTIPLE == 0
 
 
-def _check_block_size(k_cache: torch.Tensor) -> None:
-    # Fail here with the fix spelled out rather than deep inside the CUDA extension.
-    block_size = k_cache.shape[1]
-    if not flash_attn_supports_block_size(block_size):
-        raise ValueError(
-            f"flash-attn 2 needs a KV-cache block size divisible by {FLASH_ATTN_PAGE_BLOCK_MULTIPLE}, "
-            f"got {block_size}; use kvcache_block_size=256 or the triton attention backend"
-        )
+def flash_attn_supports_head_dim(head_dim: int) -> bool:
+    return head_dim % 8 == 0 and head_dim <= 256
 
 
-def paged_attention_varlen_flash(
+def varlen_flash(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim], sequences packed back to back
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1]
-    context_lens: torch.Tensor,  # [num_seqs]
-    block_tables: torch.Tensor,  # [num_seqs, max_blocks]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim] this step's keys, or the paged cache
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
+    cu_seqlens_k: torch.Tensor,  # [num_seqs + 1] int32, cumulative key counts
     max_seqlen_q: int,
-    max_context_len: int,
+    max_seqlen_k: int,
     scale: float,
+    block_table: torch.Tensor | None = None,  # [num_seqs, max_blocks] int32: k/v are the paged cache
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     from flash_attn import flash_attn_varlen_func
 
-    _check_block_size(k_cache)
-    # cu_seqlens_k: [num_seqs + 1] int32, cumulative context lengths starting at 0.
-    cu_seqlens_k = torch.cat([context_lens.new_zeros(1), context_lens]).cumsum(0, dtype=torch.int32)
+    if block_table is not None and not flash_attn_supports_block_size(k.shape[1]):
+        # Fail here with the fix spelled out rather than deep inside the CUDA extension.
+        raise ValueError(
+            f"flash-attn 2 needs a KV-cache block size divisible by {FLASH_ATTN_PAGE_BLOCK_MULTIPLE}, "
+            f"got {k.shape[1]}; use kvcache_block_size=256 or the triton attention backend"
+        )
     return flash_attn_varlen_func(
-        q, k_cache, v_cache,
-        cu_seqlens_q.to(torch.int32), cu_seqlens_k,
-        max_seqlen_q, max_context_len,
-        softmax_scale=scale,
-        causal=True,
-        block_table=block_tables.to(torch.int32),
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        softmax_scale=scale, causal=True, block_table=block_table,
     )
 
 
-def paged_attention_decode_flash(
-    q: torch.Tensor,  # [num_seqs, num_heads, head_dim], one query token per sequence
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [num_seqs, max_blocks]
-    context_lens: torch.Tensor,  # [num_seqs]
-    max_context_len: int,
-    scale: float,
-) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    from flash_attn import flash_attn_with_kvcache
-
-    _check_block_size(k_cache)
-    out = flash_attn_with_kvcache(
-        q.unsqueeze(1),  # [num_seqs, 1, num_heads, head_dim]: a batch of length-1 queries
-        k_cache, v_cache,
-        cache_seqlens=context_lens.to(torch.int32),
-        block_table=block_tables.to(torch.int32),
-        softmax_scale=scale,
-        causal=True,
-    )  # [num_seqs, 1, num_heads, head_dim]
-    return out.squeeze(1)
+def cumulative(lengths: torch.Tensor) -> torch.Tensor:
+    """[n] lengths -> [n + 1] int32 offsets starting at 0 (no host sync: CUDA-graph safe)."""
+    return torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))

@@ -33,12 +33,14 @@ except ImportError:  # pragma: no cover - exercised only where triton is missing
 _LOG2E = 1.4426950408889634
 # A decode split below this many keys costs more in the merge than it wins in parallelism.
 _MIN_KEYS_PER_SPLIT = 256
-_MAX_KV_SPLITS = 64
+MAX_KV_SPLITS = 64  # a power of 2: the merge kernel's fixed tile
 
 
 if triton is not None:
 
-    @triton.jit
+    # Integer arguments that change from step to step must not be specialised on (Triton compiles a
+    # variant per value class: == 1, divisible by 16, other): the block-table width changes every step.
+    @triton.jit(do_not_specialize=["stride_bt_seq"])
     def _paged_attn_varlen_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
         cu_seqlens_q_ptr, context_lens_ptr, block_tables_ptr,
@@ -133,10 +135,10 @@ if triton is not None:
             mask=row_valid[:, None] & d_mask[None, :],
         )
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["stride_bt_seq", "num_splits"])
     def _paged_attn_decode_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-        mid_out_ptr, mid_lse_ptr,  # [num_seqs, num_heads, NUM_SPLITS(, BLOCK_D)] fp32 partials
+        mid_out_ptr, mid_lse_ptr,  # [num_seqs, num_heads, num_splits(, BLOCK_D)] fp32 partials
         context_lens_ptr, block_tables_ptr,
         scale_log2,
         block_size,
@@ -146,12 +148,13 @@ if triton is not None:
         stride_v_block, stride_v_slot, stride_v_head,
         stride_bt_seq,
         num_heads,
+        num_splits,  # runtime: the split count changes with batch size and context length
         HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr,
         GROUP: tl.constexpr,
         BLOCK_G: tl.constexpr,  # GROUP rounded up to a power of 2 (>= 16 for tl.dot)
         BLOCK_N: tl.constexpr,
-        NUM_SPLITS: tl.constexpr,
+        SPLIT_KV: tl.constexpr,  # write per-split partials for the merge kernel (num_splits > 1)
         DOT_PRECISION: tl.constexpr,
         DOT_FP32: tl.constexpr,
     ):
@@ -160,9 +163,9 @@ if triton is not None:
         split = tl.program_id(2)
 
         context_len = tl.load(context_lens_ptr + seq).to(tl.int32)
-        # Split the keys into NUM_SPLITS chunks of whole BLOCK_N steps; trailing splits of a short
+        # Split the keys into num_splits chunks of whole BLOCK_N steps; trailing splits of a short
         # sequence may be empty and then report lse = -inf, which the merge weighs as zero.
-        keys_per_split = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        keys_per_split = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
         kv_start = split * keys_per_split
         kv_end = tl.minimum(kv_start + keys_per_split, context_len)
 
@@ -210,7 +213,7 @@ if triton is not None:
 
         has_keys = l_i > 0.0
         out = acc / tl.where(has_keys, l_i, 1.0)[:, None]  # [BLOCK_G, BLOCK_D]
-        if NUM_SPLITS == 1:
+        if not SPLIT_KV:
             tl.store(
                 out_ptr + seq.to(tl.int64) * stride_o_seq + head[:, None] * stride_o_head + offs_d[None, :],
                 out.to(out_ptr.dtype.element_ty),
@@ -219,30 +222,30 @@ if triton is not None:
         else:
             # Partials are normalised per split; lse (log2 domain) says how much each one weighs.
             lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-            mid_row = (seq * num_heads + head).to(tl.int64) * NUM_SPLITS + split  # [BLOCK_G]
+            mid_row = (seq * num_heads + head).to(tl.int64) * num_splits + split  # [BLOCK_G]
             tl.store(mid_lse_ptr + mid_row, lse, mask=g_valid)
             tl.store(
                 mid_out_ptr + mid_row[:, None] * BLOCK_D + offs_d[None, :],
                 out, mask=g_valid[:, None] & d_mask[None, :],
             )
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_splits"])
     def _merge_kv_splits_kernel(
         mid_out_ptr, mid_lse_ptr, out_ptr,
         stride_o_seq, stride_o_head,
         num_heads,
+        num_splits,
         HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr,
-        NUM_SPLITS: tl.constexpr,
-        BLOCK_S: tl.constexpr,  # NUM_SPLITS rounded up to a power of 2
+        BLOCK_S: tl.constexpr,  # the most splits there can be, a power of 2: one compiled variant
     ):
         seq = tl.program_id(0)
         head = tl.program_id(1)
         offs_s = tl.arange(0, BLOCK_S)
-        s_valid = offs_s < NUM_SPLITS
+        s_valid = offs_s < num_splits
         offs_d = tl.arange(0, BLOCK_D)
         d_mask = offs_d < HEAD_DIM
-        mid_row = (seq * num_heads + head).to(tl.int64) * NUM_SPLITS + offs_s  # [BLOCK_S]
+        mid_row = (seq * num_heads + head).to(tl.int64) * num_splits + offs_s  # [BLOCK_S]
         lse = tl.load(mid_lse_ptr + mid_row, mask=s_valid, other=float("-inf"))
         part = tl.load(
             mid_out_ptr + mid_row[:, None] * BLOCK_D + offs_d[None, :],
@@ -343,15 +346,24 @@ def paged_attention_varlen_triton(
     return out
 
 
-def _default_num_kv_splits(q: torch.Tensor, num_seqs: int, num_kv_heads: int, max_context_len: int) -> int:
+def decode_constexprs(q: torch.Tensor, k_cache: torch.Tensor, num_kv_splits: int) -> dict:
+    """The decode kernel's compile-time arguments: fixed by the model and dtype, plus whether the
+    keys are split. Everything that changes with the batch or context is a runtime argument, so a
+    run compiles at most two decode variants (and one merge variant)."""
+    head_dim, group = q.shape[2], q.shape[1] // k_cache.shape[2]
+    block_d = _block_d(head_dim)
+    return dict(
+        HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=64 if block_d <= 128 else 32,  # spill-free with 8 warps on sm_90 (see the varlen note)
+        SPLIT_KV=num_kv_splits > 1, DOT_PRECISION=_dot_precision(q), DOT_FP32=_dot_fp32(q),
+    )
+
+
+def default_num_kv_splits(num_sms: int, num_seqs: int, num_kv_heads: int, max_context_len: int) -> int:
     """Enough (sequence, kv head, split) programs for ~2 waves on the GPU, splits >= 256 keys."""
-    if q.is_cuda:
-        num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    else:  # the interpreter runs programs one by one: parallelism buys nothing
-        num_sms = 1
     by_occupancy = triton.cdiv(2 * num_sms, num_seqs * num_kv_heads)
     by_length = triton.cdiv(max_context_len, _MIN_KEYS_PER_SPLIT)
-    return max(1, min(by_occupancy, by_length, _MAX_KV_SPLITS))
+    return max(1, min(by_occupancy, by_length, MAX_KV_SPLITS))
 
 
 def paged_attention_decode_triton(
@@ -373,12 +385,12 @@ def paged_attention_decode_triton(
     assert block_tables.stride(-1) == 1, "block_tables rows must be contiguous"
 
     if num_kv_splits is None:
-        num_kv_splits = _default_num_kv_splits(q, num_seqs, num_kv_heads, max_context_len)
-    if num_kv_splits < 1:
-        raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
+        # The interpreter runs programs one by one: parallelism buys nothing there.
+        num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
+        num_kv_splits = default_num_kv_splits(num_sms, num_seqs, num_kv_heads, max_context_len)
+    if not 1 <= num_kv_splits <= MAX_KV_SPLITS:
+        raise ValueError(f"num_kv_splits must be in [1, {MAX_KV_SPLITS}], got {num_kv_splits}")
     block_d = _block_d(head_dim)
-    block_g = max(16, triton.next_power_of_2(group))
-    block_n = 64 if block_d <= 128 else 32  # spill-free with 8 warps on sm_90 (see the varlen note)
     if num_kv_splits > 1:
         # fp32 partials: normalised output and log2-sum-exp of each (sequence, head, split).
         mid_out = torch.empty(num_seqs, num_heads, num_kv_splits, block_d, dtype=torch.float32, device=q.device)
@@ -398,8 +410,8 @@ def paged_attention_decode_triton(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         num_heads,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, BLOCK_G=block_g, BLOCK_N=block_n,
-        NUM_SPLITS=num_kv_splits, DOT_PRECISION=_dot_precision(q), DOT_FP32=_dot_fp32(q),
+        num_kv_splits,
+        **decode_constexprs(q, k_cache, num_kv_splits),
         num_warps=8,
     )
     if num_kv_splits > 1:
@@ -407,7 +419,7 @@ def paged_attention_decode_triton(
             mid_out, mid_lse, out,
             out.stride(0), out.stride(1),
             num_heads,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_kv_splits,
-            BLOCK_S=triton.next_power_of_2(num_kv_splits),
+            num_kv_splits,
+            HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim), BLOCK_S=MAX_KV_SPLITS,
         )
     return out
