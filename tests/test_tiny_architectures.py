@@ -38,7 +38,7 @@ def _tensors(path: str) -> dict[str, torch.Tensor]:
     for file_name in sorted(os.listdir(path)):
         if file_name.endswith(".safetensors"):
             with safe_open(os.path.join(path, file_name), "pt") as f:
-                tensors.update({name: f.get_tensor(name) for name in f.keys()})
+                tensors.update({name: f.get_tensor(name) for name in f})
     return tensors
 
 
@@ -131,7 +131,10 @@ def test_moe_dense_layers_from_sparse_step_and_mlp_only_layers(tmp_path):
 
 def test_moe_same_seed_same_bytes(tmp_path):
     paths = [build_tiny_checkpoint(tmp_path / name, "qwen3_moe", seed=2) for name in "ab"]
-    data = [open(os.path.join(p, "model.safetensors"), "rb").read() for p in paths]
+    data = []
+    for p in paths:
+        with open(os.path.join(p, "model.safetensors"), "rb") as f:
+            data.append(f.read())
     assert data[0] == data[1]
 
 

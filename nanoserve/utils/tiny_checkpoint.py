@@ -8,13 +8,11 @@ transformers and nanoserve both load offline, so tests and benchmarks never need
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import tempfile
 
 import torch
-from torch import nn
 
 from nanoserve.utils.tiny_configs import (
     ARCHITECTURES,
@@ -35,6 +33,7 @@ from nanoserve.utils.tiny_tokenizer import (
     MIN_TOKENIZER_VOCAB_SIZE,
     make_hf_tokenizer,
 )
+from nanoserve.utils.tiny_weights import empty_model, random_model
 
 __all__ = [
     "ARCHITECTURES", "DTYPES", "FINGERPRINT_FILE", "FORMAT_VERSION", "LLAMA_3_2_1B", "QWEN2_5_0_5B", "QWEN3_0_6B",
@@ -47,60 +46,6 @@ FORMAT_VERSION = 2
 FINGERPRINT_FILE = "nanoserve_fingerprint.json"
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _scaled_noise(name: str, shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
-    """Random values for HF's parameter `name`, scaled by its role (tuned on greedy outputs)."""
-    noise = torch.randn(shape, generator=generator, dtype=torch.float32)  # scaled in place: big tensors
-    if name.endswith("norm.weight"):
-        # RMSNorm gains near 1 with visible noise, so a bug that skips a norm changes outputs.
-        return noise.mul_(0.1).add_(1.0)
-    if name.endswith(".bias"):
-        # Small next to the projections' outputs (std ~2) but visible: dropping them shows.
-        return noise.mul_(0.5)
-    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
-        # With the final norm's output at unit RMS, logits get a std of about
-        # 0.5 * sqrt(hidden_size): decisive for greedy, still soft enough to sample from.
-        return noise.mul_(0.5)
-    if len(shape) >= 2:
-        # A linear weight [out, in], or HF's packed experts [num_experts, out, in]: the last
-        # dim is the fan-in. Twice the variance-preserving scale, so every block writes more
-        # into the residual stream than the token embedding holds; with weaker blocks the
-        # tied embedding dominates the final hidden state and the model echoes its input.
-        return noise.mul_(2.0 / math.sqrt(shape[-1]))
-    raise RuntimeError(f"no scale rule for parameter {name} of shape {tuple(shape)}")
-
-
-def _empty_model(arch: str, config) -> nn.Module:
-    import transformers
-
-    model_class = getattr(transformers, resolve_arch(arch).model_class)
-    with torch.device("meta"):
-        # HF's own init runs on meta tensors: it costs no memory and no time.
-        return model_class(config)
-
-
-def _random_model(arch: str, config, seed: int, dtype: torch.dtype) -> nn.Module:
-    """HF's model with every parameter drawn from one seeded generator in HF's parameter order.
-
-    The values are drawn in float32 and then cast, so a seed gives the same weights whatever
-    the dtype. Tied parameters (lm_head and embed_tokens) stay one tensor. Non-persistent
-    buffers (RoPE frequencies) stay on the meta device: save_pretrained never writes them.
-    """
-    model = _empty_model(arch, config)
-    generator = torch.Generator().manual_seed(seed)
-    named = list(model.named_parameters(remove_duplicate=False))  # keeps the meta tensors alive
-    filled: dict[int, nn.Parameter] = {}
-    for name, param in named:
-        if id(param) not in filled:
-            values = _scaled_noise(name, param.shape, generator).to(dtype)
-            filled[id(param)] = nn.Parameter(values, requires_grad=False)
-        module_name, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(module_name), leaf, filled[id(param)])
-    unfilled = set(model.state_dict()) - {name for name, _ in named}
-    if unfilled:
-        raise RuntimeError(f"{type(model).__name__} has persistent buffers this builder does not fill: {unfilled}")
-    return model
 
 
 def _check_build_args(seed, dtype, shard_size_bytes, generation_config, tokenizer_vocab_size) -> None:
@@ -135,19 +80,18 @@ def _generation_config(tokenizer, extra: dict | None) -> dict:
     return {"bos_token_id": endoftext, "eos_token_id": [im_end, endoftext], "pad_token_id": endoftext, **(extra or {})}
 
 
-def _prepare(arch: str, dtype: str | None, overrides: dict, tokenizer_vocab_size: int, check_args) -> tuple:
-    """Check everything, then make the tokenizer and the HF config: (tokenizer, config, dtype)."""
-    resolve_arch(arch)
-    overrides = dict(overrides)
+def _tokenizer_and_config(arch: str, dtype: str | None, config_overrides: dict, tokenizer_vocab_size: int):
+    """Every check on the config first, then the tokenizer and the HF config it gets its ids from."""
+    spec = resolve_arch(arch)
+    overrides = dict(config_overrides)
     dtype = _resolve_dtype(dtype, overrides)
-    check_args(dtype)
-    max_len = overrides.get("max_position_embeddings", resolve_arch(arch).defaults["max_position_embeddings"])
+    max_len = overrides.get("max_position_embeddings", spec.defaults["max_position_embeddings"])
     tokenizer = make_hf_tokenizer(tokenizer_vocab_size, max_len)
     config = make_config(
         arch, len(tokenizer), bos_token_id=tokenizer.convert_tokens_to_ids(ENDOFTEXT),
         eos_token_id=tokenizer.convert_tokens_to_ids(IM_END), dtype=dtype, overrides=overrides,
     )
-    return tokenizer, config, dtype
+    return tokenizer, config
 
 
 def build_tiny_checkpoint(
@@ -171,16 +115,15 @@ def build_tiny_checkpoint(
     (save_pretrained's max_shard_size). generation_config entries (e.g. temperature) are
     merged into generation_config.json. Returns the path as a str.
     """
-    def check_args(resolved_dtype: str) -> None:
-        _check_build_args(seed, resolved_dtype, shard_size_bytes, generation_config, tokenizer_vocab_size)
-
-    tokenizer, config, dtype = _prepare(arch, dtype, config_overrides, tokenizer_vocab_size, check_args)
-    model = _random_model(arch, config, seed, DTYPES[dtype])
+    dtype = _resolve_dtype(dtype, dict(config_overrides))
+    _check_build_args(seed, dtype, shard_size_bytes, generation_config, tokenizer_vocab_size)
+    tokenizer, config = _tokenizer_and_config(arch, dtype, config_overrides, tokenizer_vocab_size)
+    model = random_model(arch, config, seed, DTYPES[dtype])
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     _remove_old_weights(path)
-    max_shard_size = shard_size_bytes if shard_size_bytes is not None else "1000GB"  # i.e. never split
-    model.save_pretrained(path, max_shard_size=max_shard_size)
+    # Without shard_size_bytes, one file however big (save_pretrained would split at 50GB).
+    model.save_pretrained(path, max_shard_size=shard_size_bytes or "1000GB")
     config_path = os.path.join(path, "config.json")
     with open(config_path) as f:
         config_json = add_legacy_keys(json.load(f))
@@ -211,8 +154,9 @@ def count_parameters(
     arch: str = "qwen3", *, tokenizer_vocab_size: int = DEFAULT_TOKENIZER_VOCAB_SIZE, **config_overrides
 ) -> int:
     """Parameters of the model build_tiny_checkpoint would write (tied ones once); allocates nothing."""
-    _, config, _ = _prepare(arch, None, config_overrides, tokenizer_vocab_size, lambda dtype: None)
-    return sum(p.numel() for p in _empty_model(arch, config).parameters())
+    _check_build_args(0, _resolve_dtype(None, dict(config_overrides)), None, None, tokenizer_vocab_size)
+    _, config = _tokenizer_and_config(arch, None, config_overrides, tokenizer_vocab_size)
+    return sum(p.numel() for p in empty_model(arch, config).parameters())
 
 
 def _remove_old_weights(path: str) -> None:

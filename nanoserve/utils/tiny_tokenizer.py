@@ -36,29 +36,29 @@ CHAT_TEMPLATE = (
 )
 
 _CORPUS_PARAGRAPHS = (
-    "The quick brown fox jumps over the lazy dog. The dog does not mind, because the sun is "
-    "warm and the grass is soft. Later the fox returns to the forest, where the trees are tall "
-    "and the river runs cold and clear over smooth grey stones.",
-    "Once upon a time there was a small village at the edge of a great forest. The people of "
-    "the village were farmers and builders, and every morning they walked to the fields while "
-    "the children went to school. In the evening they told stories about the old king, the "
-    "lost city, and the dragon that slept under the mountain.",
-    "A language model reads a sequence of tokens and predicts the next token. During "
-    "generation the model repeats this step many times: it samples a token, appends it to the "
-    "sequence, and runs again. A key and value cache stores the attention state of earlier "
-    "tokens, so each new step only has to process one new token.",
-    "The weather today is cloudy with a chance of rain in the afternoon. Tomorrow will be "
-    "sunny and warmer, with light winds from the west. On the weekend the temperature will "
-    "drop, and there may be snow in the hills. Please remember to bring a coat.",
-    "To make a simple bread, mix four cups of flour, one cup of warm water, a spoon of sugar, "
-    "a spoon of salt and a little yeast. Knead the dough for ten minutes, let it rise for one "
-    "hour, then bake it in a hot oven for thirty minutes until the crust is golden brown.",
-    "What is the capital of France? The capital of France is Paris. What is two plus two? "
-    "Two plus two is four. Can you help me write a short poem about the sea? Of course! The "
-    "sea is wide, the sea is deep, it sings the sailors off to sleep.",
+    ("The quick brown fox jumps over the lazy dog. The dog does not mind, because the sun is "
+     "warm and the grass is soft. Later the fox returns to the forest, where the trees are tall "
+     "and the river runs cold and clear over smooth grey stones."),
+    ("Once upon a time there was a small village at the edge of a great forest. The people of "
+     "the village were farmers and builders, and every morning they walked to the fields while "
+     "the children went to school. In the evening they told stories about the old king, the "
+     "lost city, and the dragon that slept under the mountain."),
+    ("A language model reads a sequence of tokens and predicts the next token. During "
+     "generation the model repeats this step many times: it samples a token, appends it to the "
+     "sequence, and runs again. A key and value cache stores the attention state of earlier "
+     "tokens, so each new step only has to process one new token."),
+    ("The weather today is cloudy with a chance of rain in the afternoon. Tomorrow will be "
+     "sunny and warmer, with light winds from the west. On the weekend the temperature will "
+     "drop, and there may be snow in the hills. Please remember to bring a coat."),
+    ("To make a simple bread, mix four cups of flour, one cup of warm water, a spoon of sugar, "
+     "a spoon of salt and a little yeast. Knead the dough for ten minutes, let it rise for one "
+     "hour, then bake it in a hot oven for thirty minutes until the crust is golden brown."),
+    ("What is the capital of France? The capital of France is Paris. What is two plus two? "
+     "Two plus two is four. Can you help me write a short poem about the sea? Of course! The "
+     "sea is wide, the sea is deep, it sings the sailors off to sleep."),
     "def add(a, b):\n    return a + b\n\nfor i in range(10):\n    print(i, add(i, 1))\n",
-    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 20 42 100 256 1000 2024. Dates like 2024-01-31 "
-    "and times like 12:30 are common. Prices such as $3.50 or 7% appear in many texts.",
+    ("Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 20 42 100 256 1000 2024. Dates like 2024-01-31 "
+     "and times like 12:30 are common. Prices such as $3.50 or 7% appear in many texts."),
 )
 
 
