@@ -38,7 +38,7 @@ def _tensors(path: str) -> dict[str, torch.Tensor]:
     for file_name in sorted(os.listdir(path)):
         if file_name.endswith(".safetensors"):
             with safe_open(os.path.join(path, file_name), "pt") as f:
-                tensors.update({name: f.get_tensor(name) for name in f})
+                tensors.update({name: f.get_tensor(name) for name in f.keys()})  # noqa: SIM118 (not iterable)
     return tensors
 
 
