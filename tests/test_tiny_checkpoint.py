@@ -1,8 +1,10 @@
-"""The tiny random-weight Qwen3 checkpoints load in transformers and behave like a model."""
+"""The tiny random-weight Qwen3 checkpoints load in transformers and behave like a model.
+
+Other architectures: tests/test_tiny_architectures.py.
+"""
 from __future__ import annotations
 
 import json
-import math
 import os
 
 import pytest
@@ -13,8 +15,8 @@ from nanoserve.utils.tiny_checkpoint import (
     FINGERPRINT_FILE,
     QWEN3_0_6B,
     TINY_QWEN3,
-    _weight_shapes,
     build_tiny_qwen3,
+    count_parameters,
     default_model_dir,
     ensure_tiny_qwen3,
 )
@@ -170,8 +172,7 @@ def test_chat_template(tokenizer):
 
 def test_qwen3_0_6b_architecture_has_the_real_parameter_count():
     # Qwen3-0.6B has 596,049,920 parameters (embeddings tied); no need to build it.
-    shapes = _weight_shapes({**QWEN3_0_6B})
-    assert sum(math.prod(shape) for _, shape in shapes) == 596_049_920
+    assert count_parameters("qwen3", **QWEN3_0_6B) == 596_049_920
 
 
 def test_bad_arguments_raise(tmp_path):
