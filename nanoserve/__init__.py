@@ -3,6 +3,7 @@ from nanoserve.config import Config
 from nanoserve.llm import LLM
 from nanoserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.streaming import RequestError
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "Logprob", "Config"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "Logprob", "Config", "RequestError"]
 __version__ = "0.1.0"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as SequenceABC
 from numbers import Integral
 from typing import Any
@@ -12,6 +13,7 @@ from nanoserve.config import Config
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.streaming import RequestError, generate_stream
 
 PromptType = str | list[int] | dict
 
@@ -55,6 +57,25 @@ class LLM:
         request_ids = [self.engine.add_request(ids, p, text) for (text, ids), p in zip(token_prompts, params)]
         outputs = self._run_engine(use_tqdm)
         return [outputs[rid] for rid in request_ids]
+
+    def generate_stream(
+        self,
+        prompts: Iterable[PromptType],
+        sampling_params: SamplingParams | Iterable[SamplingParams] | None = None,
+        *,
+        max_inflight: int | None = None,
+        use_tqdm: bool = True,
+    ) -> Iterator[tuple[int, RequestOutput | RequestError]]:
+        """Yield `(index, RequestOutput)` for each prompt as it finishes, reading `prompts` lazily.
+
+        At most `max_inflight` requests (default 2 * max_num_seqs) are in the engine at once, so
+        memory does not grow with the input. A prompt or SamplingParams that `generate` would
+        reject yields `(index, RequestError)` with the same message instead of raising.
+        `sampling_params` is one SamplingParams for all, or an iterable read in step with
+        `prompts`. Closing the generator early aborts the requests in flight. See
+        nanoserve/streaming.py.
+        """
+        return generate_stream(self, prompts, sampling_params, max_inflight, use_tqdm)
 
     def _run_engine(self, use_tqdm: bool) -> dict[str, RequestOutput]:
         outputs: dict[str, RequestOutput] = {}
@@ -104,24 +125,24 @@ class LLM:
         return list(prompts)
 
     def _tokenize(self, prompts: list) -> list[tuple[str | None, list[int]]]:
-        out = []
-        for i, prompt in enumerate(prompts):
-            if isinstance(prompt, dict):
-                if "prompt_token_ids" in prompt:
-                    prompt = list(prompt["prompt_token_ids"])
-                elif "prompt" in prompt:
-                    prompt = prompt["prompt"]
-                else:
-                    raise ValueError(f"prompt {i} is a dict without 'prompt' or 'prompt_token_ids'")
-            if isinstance(prompt, str):
-                out.append((prompt, self.tokenizer.encode(prompt)))
-            elif isinstance(prompt, (list, tuple)):
-                if not all(isinstance(t, Integral) and not isinstance(t, bool) for t in prompt):
-                    raise TypeError(f"prompt {i} must hold int token ids, got {prompt[:5]!r}...")
-                out.append((None, [int(t) for t in prompt]))
+        return [self._tokenize_one(i, prompt) for i, prompt in enumerate(prompts)]
+
+    def _tokenize_one(self, i: int, prompt) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids) of prompt number i; errors name it by that number."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
             else:
-                raise TypeError(f"prompt {i} must be a str or a list of token ids, got {type(prompt).__name__}")
-        return out
+                raise ValueError(f"prompt {i} is a dict without 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            if not all(isinstance(t, Integral) and not isinstance(t, bool) for t in prompt):
+                raise TypeError(f"prompt {i} must hold int token ids, got {prompt[:5]!r}...")
+            return None, [int(t) for t in prompt]
+        raise TypeError(f"prompt {i} must be a str or a list of token ids, got {type(prompt).__name__}")
 
     def _params_per_prompt(self, params, num_prompts: int) -> list[SamplingParams]:
         if params is None:
