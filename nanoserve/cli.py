@@ -63,10 +63,15 @@ def _add_run_batch(subparsers) -> None:
     add_engine_args(p)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanoserve", description="nanoserve: offline batch LLM inference")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_run_batch(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     from nanoserve.entrypoints.run_batch import run_batch  # imports torch: not needed for --help
 

@@ -49,6 +49,11 @@ class EngineRequest(NamedTuple):
     prompt: str | None = None
 
 
+def default_max_inflight(max_num_seqs: int) -> int:
+    """A full batch running and as many queued to refill it as requests finish."""
+    return 2 * max_num_seqs
+
+
 def stream_requests(
     engine: LLMEngine,
     items: Iterable[tuple[K, EngineRequest | RequestError]],
@@ -112,7 +117,7 @@ def generate_stream(
             f"prompts must be an iterable of prompts (wrap a single prompt in a list), got {type(prompts).__name__}"
         )
     if max_inflight is None:
-        max_inflight = 2 * llm.config.max_num_seqs  # a full batch running and one queued to refill it
+        max_inflight = default_max_inflight(llm.config.max_num_seqs)
     if not isinstance(max_inflight, int) or isinstance(max_inflight, bool):
         raise TypeError(f"max_inflight must be an int, got {max_inflight!r}")
     if max_inflight < 1:

@@ -5,11 +5,13 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import fields
 
 import pytest
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.cli import main
+from nanoserve.cli import build_parser, engine_kwargs, main
+from nanoserve.config import Config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENGINE = {"device": "cpu", "dtype": "float32", "max_model_len": 128, "kvcache_block_size": 8,
@@ -187,3 +189,73 @@ def test_sigint_finishes_in_flight_and_leaves_a_valid_file(batch, reference, tmp
     assert all(summary({k: r}) == summary({k: reference[k]}) for k, r in partial.items())
     assert run_in_process(batch, output, "--resume") == 1
     assert summary(read_records(output)) == summary(reference)
+
+
+def test_every_llm_option_is_a_flag():
+    args = ["run-batch", "-i", "in", "-o", "out", "--model", "m"]
+    assert engine_kwargs(build_parser().parse_args(args)) == {}  # unset flags leave LLM's defaults
+    flags = {"max_model_len": "--max-model-len=77", "enable_prefix_caching": "--no-enable-prefix-caching",
+             "gpu_memory_utilization": "--gpu-memory-utilization=0.5", "dtype": "--dtype=float32"}
+    parsed = engine_kwargs(build_parser().parse_args(args + list(flags.values())))
+    assert parsed == {"max_model_len": 77, "enable_prefix_caching": False, "gpu_memory_utilization": 0.5,
+                      "dtype": "float32"}
+    for f in fields(Config):  # each field, set alone, reaches LLM's kwargs
+        if f.name in Config.field_names():
+            flag = "--" + f.name.replace("_", "-") + ("" if f.type == "bool" else "=1")
+            assert f.name in engine_kwargs(build_parser().parse_args(args + [flag])), flag
+
+
+@pytest.fixture(scope="module")
+def builder(tiny_model):
+    from nanoserve.entrypoints.openai_request import RequestBuilder
+
+    return RequestBuilder(LLM(tiny_model, **ENGINE), tiny_model)
+
+
+def test_body_fields_map_to_sampling_params_as_vllm(builder):
+    defaults = builder.llm.engine.default_sampling_params()
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    request = builder.build({"method": "POST", "url": "/v1/chat/completions", "body": {
+        **chat, "max_tokens": 5, "max_completion_tokens": 7, "logprobs": True, "top_logprobs": 3, "seed": 11,
+        "stop": "x", "n": 2, "presence_penalty": 0.5, "min_tokens": 1}})
+    p = request.params
+    assert (p.max_tokens, p.logprobs, p.seed, p.stop, p.n, p.presence_penalty, p.min_tokens) == (
+        7, 3, 11, ["x"], 2, 0.5, 1)
+    assert (p.temperature, p.top_p, p.top_k) == (defaults.temperature, defaults.top_p, defaults.top_k)
+    # Chat without a cap: the rest of the context. Completions: 16, and logprobs is a count.
+    p = builder.build({"method": "POST", "url": "/v1/chat/completions", "body": chat}).params
+    assert p.max_tokens == ENGINE["max_model_len"] - len(builder.build(
+        {"method": "POST", "url": "/v1/chat/completions", "body": chat}).prompt_token_ids)
+    p = builder.build({"method": "POST", "url": "/v1/completions", "body": {"prompt": "a", "logprobs": 2}}).params
+    assert (p.max_tokens, p.logprobs) == (16, 2)
+    for body, match in [({**chat, "top_logprobs": 2}, "`logprobs` must be set to true"),
+                        ({**chat, "stream": True}, "`stream` is not supported"),
+                        ({**chat, "logit_bias": {"5": 1}}, "`logit_bias` is not supported"),
+                        ({**chat, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "text parts"),
+                        ({"prompt": ["a", "b"]}, "one prompt per line")]:
+        url = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        with pytest.raises(ValueError, match=match):
+            builder.build({"method": "POST", "url": url, "body": body})
+
+
+@pytest.mark.parametrize("url", ["/v1/chat/completions", "/v1/completions"])
+def test_response_logprobs_are_the_engines(builder, url):
+    from nanoserve.entrypoints.openai_response import result_record
+    from nanoserve.streaming import stream_requests
+
+    body = {"temperature": 0, "max_tokens": 4, "ignore_eos": True}
+    body.update({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2}
+                if "chat" in url else {"prompt": "hello", "logprobs": 2})
+    [(_, out)] = stream_requests(builder.llm.engine, [(0, builder.build({"method": "POST", "url": url, "body": body}))], 1)
+    choice = result_record("c", url, out, "m", builder.llm.tokenizer)["response"]["body"]["choices"][0]
+    sample = out.outputs[0]
+    expected = [step[t].logprob for t, step in zip(sample.token_ids, sample.logprobs)]
+    if "chat" in url:
+        assert [c["logprob"] for c in choice["logprobs"]["content"]] == expected
+        assert all(len(c["top_logprobs"]) == 2 for c in choice["logprobs"]["content"])
+        assert choice["message"]["content"] == sample.text
+    else:
+        assert choice["logprobs"]["token_logprobs"] == expected
+        assert choice["logprobs"]["tokens"] == [builder.llm.tokenizer.decode([t]) for t in sample.token_ids]
+        assert choice["text"] == sample.text
+        assert all(2 <= len(top) <= 3 for top in choice["logprobs"]["top_logprobs"])

@@ -21,7 +21,7 @@ from nanoserve.entrypoints.batch_output import FinishedWork, OutputWriter, scan_
 from nanoserve.entrypoints.openai_request import BatchLineError, ModelNotFoundError, RequestBuilder, parse_line
 from nanoserve.entrypoints.openai_response import error_record, result_record
 from nanoserve.llm import LLM
-from nanoserve.streaming import EngineRequest, RequestError, stream_requests
+from nanoserve.streaming import EngineRequest, RequestError, default_max_inflight, stream_requests
 
 EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -107,7 +107,7 @@ def _run(llm, input_file, output_file, model, done, total, max_inflight, progres
     with StopOnSignal() as stop:
         try:
             items = _requests(input_file, done, builder, stop)
-            window = max_inflight or 2 * llm.config.max_num_seqs
+            window = max_inflight or default_max_inflight(llm.config.max_num_seqs)
             for key, result in stream_requests(llm.engine, items, window, on_step):
                 if isinstance(result, RequestError):
                     writer.write(error_record(key.custom_id, key.line, result))
