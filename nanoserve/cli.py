@@ -33,7 +33,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default = f.default if f.default not in (MISSING, None) else "derived (see README)"
         help_text = f"LLM({f.name}=...); default: {default}"
         flag = "--" + f.name.replace("_", "-")
-        parse = _value_parser(str(f.type))
+        parse = _value_parser(f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type)))
         if parse is None:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                                help=help_text)

@@ -201,7 +201,7 @@ def test_every_llm_option_is_a_flag():
                       "dtype": "float32"}
     for f in fields(Config):  # each field, set alone, reaches LLM's kwargs
         if f.name in Config.field_names():
-            flag = "--" + f.name.replace("_", "-") + ("" if f.type == "bool" else "=1")
+            flag = "--" + f.name.replace("_", "-") + ("" if f.type in ("bool", bool) else "=1")
             assert f.name in engine_kwargs(build_parser().parse_args(args + [flag])), flag
 
 
