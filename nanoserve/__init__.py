@@ -4,9 +4,10 @@ from nanoserve.inputs import TextPrompt, TokensPrompt
 from nanoserve.llm import LLM
 from nanoserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.streaming import RequestError
 
 __all__ = [
     "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "Logprob", "Config",
-    "TextPrompt", "TokensPrompt",
+    "TextPrompt", "TokensPrompt", "RequestError",
 ]
 __version__ = "0.1.0"

@@ -50,6 +50,11 @@ def parse_prompts(prompts) -> list[tuple[str | None, list[int] | None]]:
     return [_parse_one(p, i) for i, p in enumerate(_as_prompt_list(prompts))]
 
 
+def parse_prompt(prompt, i: int) -> tuple[str | None, list[int] | None]:
+    """One prompt (number i, for error messages) -> (text, token ids); one of the two may be None."""
+    return _parse_one(prompt, i)
+
+
 def _is_token_id(x) -> bool:
     return isinstance(x, Integral) and not isinstance(x, bool)
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -14,6 +14,7 @@ from nanoserve.engine_args import log_no_effect_once, refuse_unless_off, resolve
 from nanoserve.inputs import PromptType, TokensPrompt, parse_prompts
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.streaming import RequestError, generate_stream
 
 _NO_LORA = "nanoserve has no LoRA adapters: merge the adapter into the weights and load the merged checkpoint"
 # Arguments older vLLM versions' generate() took; accepted when they ask for nothing.
@@ -93,6 +94,25 @@ class LLM:
         request_ids = [self.engine.add_request(ids, p, text) for (text, ids), p in zip(token_prompts, params)]
         outputs = self._run_engine(use_tqdm)
         return [outputs[rid] for rid in request_ids]
+
+    def generate_stream(
+        self,
+        prompts: Iterable[PromptType],
+        sampling_params: SamplingParams | Iterable[SamplingParams] | None = None,
+        *,
+        max_inflight: int | None = None,
+        use_tqdm: bool = True,
+    ) -> Iterator[tuple[int, RequestOutput | RequestError]]:
+        """Yield `(index, RequestOutput)` for each prompt as it finishes, reading `prompts` lazily.
+
+        At most `max_inflight` requests (default 2 * max_num_seqs) are in the engine at once, so
+        memory does not grow with the input. A prompt or SamplingParams that `generate` would
+        reject yields `(index, RequestError)` with the same message instead of raising.
+        `sampling_params` is one SamplingParams for all, or an iterable read in step with
+        `prompts`. Closing the generator early aborts the requests in flight. See
+        nanoserve/streaming.py.
+        """
+        return generate_stream(self, prompts, sampling_params, max_inflight, use_tqdm)
 
     def _run_engine(self, use_tqdm: bool | Callable[..., tqdm]) -> dict[str, RequestOutput]:
         outputs: dict[str, RequestOutput] = {}

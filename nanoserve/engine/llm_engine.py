@@ -269,6 +269,13 @@ class LLMEngine:
         self.scheduler.abort_all()
         self.requests.clear()
 
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        """Drop unfinished requests (vLLM's name); unknown or finished ids are ignored."""
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            request = self.requests.pop(request_id, None)
+            if request is not None:
+                self.scheduler.abort(request.seqs)
+
     def reset_prefix_cache(self) -> None:
         if not self.is_finished():
             raise RuntimeError("reset_prefix_cache() refused: requests are still running")

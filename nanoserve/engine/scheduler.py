@@ -171,6 +171,23 @@ class Scheduler:
         self.running.clear()
         self.waiting.clear()
 
+    def abort(self, seqs: list[Sequence]) -> None:
+        """Drop these sequences (one request's samples) wherever they are and give back their blocks.
+
+        Samples not yet forked from their parent sit in no queue and hold no blocks; they are
+        only marked finished.
+        """
+        for seq in seqs:
+            if seq.is_finished:
+                continue
+            if seq in self.running:
+                self.running.remove(seq)
+            elif seq in self.waiting:
+                self.waiting.remove(seq)
+            self.block_manager.free(seq)
+            self.block_manager.forget(seq)
+            seq.status = SequenceStatus.FINISHED
+
     def finish(self, seq: Sequence) -> None:
         self.running.remove(seq)
         seq.status = SequenceStatus.FINISHED

@@ -1,0 +1,212 @@
+"""One OpenAI Batch input line -> a validated engine request, with vLLM's OpenAI-server mapping.
+
+A line is `{"custom_id", "method": "POST", "url", "body"}`; the body is a Chat Completions or
+Completions request. Fields map onto SamplingParams as in vLLM's `ChatCompletionRequest` /
+`CompletionRequest.to_sampling_params`, with unset fields taken from the checkpoint's
+generation_config.json, and `max_tokens` bounded by the context as vLLM's server does.
+Fields that would change the output but that nanoserve cannot honour are rejected, never ignored.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+from jinja2.exceptions import TemplateError
+
+from nanoserve.llm import LLM
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.streaming import EngineRequest
+
+CHAT_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"
+URLS = (CHAT_URL, COMPLETIONS_URL)
+
+# Body fields nanoserve cannot honour, each with the test for a value that asks for nothing.
+_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "stream": lambda v: v is False,
+    "echo": lambda v: v is False,
+    "suffix": lambda v: v == "",
+    "best_of": lambda v: v == 1,
+    "use_beam_search": lambda v: v is False,
+    "logit_bias": lambda v: not v,
+    "prompt_logprobs": lambda v: False,
+    "tools": lambda v: not v,
+    "tool_choice": lambda v: v in ("none", "auto"),
+    "response_format": lambda v: isinstance(v, dict) and v.get("type") == "text",
+    "guided_json": lambda v: False,
+    "guided_regex": lambda v: False,
+    "guided_choice": lambda v: False,
+    "guided_grammar": lambda v: False,
+    "structural_tag": lambda v: False,
+    "allowed_token_ids": lambda v: False,
+    "bad_words": lambda v: not v,
+    "logits_processors": lambda v: not v,
+    "truncate_prompt_tokens": lambda v: False,
+    "prompt_embeds": lambda v: False,
+}
+
+# SamplingParams fields copied as they are when the body sets them (vLLM's names).
+_PLAIN_FIELDS = (
+    "n", "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
+    "min_tokens", "skip_special_tokens", "include_stop_str_in_output",
+)
+# Fields whose default, when the body leaves them out, comes from generation_config.json.
+_DEFAULTED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+class BatchLineError(ValueError):
+    """A line that is not a usable batch request at all (bad JSON, no custom_id, ...)."""
+
+
+class ModelNotFoundError(LookupError):
+    """The body names a model this run does not serve (HTTP 404 in vLLM's server)."""
+
+
+def parse_line(text: str) -> tuple[str, dict]:
+    """(custom_id, the whole record) of one input line; BatchLineError when there is neither."""
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BatchLineError(f"invalid JSON: {e}") from None
+    if not isinstance(record, dict):
+        raise BatchLineError(f"a batch line must be a JSON object, got {type(record).__name__}")
+    custom_id = record.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        raise BatchLineError(f"custom_id must be a non-empty string, got {custom_id!r}")
+    return custom_id, record
+
+
+class RequestBuilder:
+    """Turns a batch record into an EngineRequest for one served model (the `--model`)."""
+
+    def __init__(self, llm: LLM, model: str) -> None:
+        self.llm = llm
+        self.model = model
+        self.model_names = {model, os.path.basename(os.path.normpath(model))}
+        self.max_model_len = llm.config.max_model_len
+        self.defaults = llm.engine.default_sampling_params()
+
+    def build(self, record: dict) -> EngineRequest:
+        """Raises ValueError / TypeError (HTTP 400) or ModelNotFoundError (404) naming the field."""
+        method, url, body = record.get("method"), record.get("url"), record.get("body")
+        if method != "POST":
+            raise ValueError(f"method must be 'POST', got {method!r}")
+        if url not in URLS:
+            raise ValueError(f"URL {url!r} was used. Supported endpoints: {', '.join(URLS)}")
+        if not isinstance(body, dict):
+            raise TypeError(f"body must be a JSON object, got {type(body).__name__}")
+        model = body.get("model")
+        if model is not None and model not in self.model_names:
+            raise ModelNotFoundError(f"The model `{model}` does not exist. This run serves `{self.model}`.")
+        for field, asks_nothing in _UNSUPPORTED.items():
+            if body.get(field) is not None and not asks_nothing(body[field]):
+                raise ValueError(f"`{field}` is not supported by nanoserve run-batch (got {body[field]!r})")
+        chat = url == CHAT_URL
+        token_ids = self._chat_prompt(body) if chat else self._completion_prompt(body)
+        params = self._sampling_params(body, chat, len(token_ids))
+        self.llm.engine.validate_request(token_ids, params)
+        return EngineRequest(token_ids, params)
+
+    # ---- prompts ---------------------------------------------------------------------------
+
+    def _chat_prompt(self, body: dict) -> list[int]:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("`messages` must be a non-empty list of {'role', 'content'} objects")
+        kwargs = body.get("chat_template_kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise TypeError(f"`chat_template_kwargs` must be an object, got {type(kwargs).__name__}")
+        continue_final = _flag(body, "continue_final_message", False)
+        add_generation_prompt = _flag(body, "add_generation_prompt", not continue_final)
+        if continue_final and add_generation_prompt:
+            raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+        try:
+            text = self.llm.tokenizer.apply_chat_template(
+                [_text_message(i, m) for i, m in enumerate(messages)], tokenize=False,
+                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final, **kwargs,
+            )
+        except TemplateError as e:
+            raise ValueError(f"the chat template rejected `messages`: {e}") from None
+        return self.llm.tokenizer.encode(text, add_special_tokens=_flag(body, "add_special_tokens", False))
+
+    def _completion_prompt(self, body: dict) -> list[int]:
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            return self.llm.tokenizer.encode(prompt, add_special_tokens=_flag(body, "add_special_tokens", True))
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+            raise ValueError("`prompt` holds several prompts; run-batch takes one prompt per line")
+        raise ValueError(f"`prompt` must be a non-empty string or a list of token ids, got {prompt!r:.80}")
+
+    # ---- sampling --------------------------------------------------------------------------
+
+    def _sampling_params(self, body: dict, chat: bool, num_prompt_tokens: int) -> SamplingParams:
+        kwargs = {name: body[name] for name in _PLAIN_FIELDS if body.get(name) is not None}
+        for name in _DEFAULTED_FIELDS:
+            kwargs[name] = body[name] if body.get(name) is not None else getattr(self.defaults, name)
+        kwargs["logprobs"] = self._logprobs(body, chat)
+        kwargs["max_tokens"] = self._max_tokens(body, chat, num_prompt_tokens)
+        return SamplingParams(**kwargs)
+
+    @staticmethod
+    def _logprobs(body: dict, chat: bool) -> int | None:
+        if not chat:
+            return body.get("logprobs")  # Completions: the number of top logprobs, or null
+        top = body.get("top_logprobs") or 0
+        if not isinstance(top, int) or isinstance(top, bool) or top < 0:
+            raise ValueError(f"`top_logprobs` must be an integer >= 0, got {top!r}")
+        wants = _flag(body, "logprobs", False)
+        if top > 0 and not wants:
+            raise ValueError("when using `top_logprobs`, `logprobs` must be set to true.")
+        return top if wants else None
+
+    def _max_tokens(self, body: dict, chat: bool, num_prompt_tokens: int) -> int:
+        """The request's cap, or the rest of the context; a request past the context is an error."""
+        name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+        requested = body.get(name, None if chat else 16)  # vLLM's defaults: chat none, completions 16
+        if requested is not None and (not isinstance(requested, int) or isinstance(requested, bool) or requested < 1):
+            raise ValueError(f"`{name}` must be an integer >= 1, got {requested!r}")
+        limit = self.max_model_len
+        if requested is None:
+            if num_prompt_tokens >= limit:
+                raise ValueError(
+                    f"This model's maximum context length is {limit} tokens. However, your request has "
+                    f"{num_prompt_tokens} input tokens. Please reduce the length of the input."
+                )
+            return limit - num_prompt_tokens
+        if num_prompt_tokens + requested > limit:
+            raise ValueError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the input, {requested} in the "
+                f"completion). Please reduce the length of the input or `{name}`."
+            )
+        return requested
+
+
+def _flag(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise TypeError(f"`{name}` must be true or false, got {value!r}")
+    return value
+
+
+def _text_message(i: int, message: Any) -> dict:
+    """A message with its content as one string: text parts are joined with newlines, as vLLM does."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise ValueError(f"messages[{i}] must be an object with a string `role`, got {message!r:.80}")
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"messages[{i}].content: only text parts are supported, got {part!r:.80}")
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    elif content is not None and not isinstance(content, str):
+        raise TypeError(f"messages[{i}].content must be a string or a list of text parts, got {content!r:.80}")
+    return {**message, "content": content}

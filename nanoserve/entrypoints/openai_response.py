@@ -1,0 +1,144 @@
+"""Batch output records, shaped as vLLM's run-batch writes them.
+
+A result line is `{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}`
+whose body is a `chat.completion` or `text_completion` object as vLLM's OpenAI server returns it
+(choices with finish_reason / stop_reason / logprobs, and usage). A failed line has
+`response.body = null` and `error = {"message", "type", "param", "code", "line"}`, where `line`
+is the 1-based input line; `custom_id` is null when the line has no custom_id of its own to
+answer for (unparsable, missing, or a duplicate of an earlier line).
+"""
+from __future__ import annotations
+
+import time
+import uuid
+
+from nanoserve.entrypoints.openai_request import CHAT_URL, ModelNotFoundError
+from nanoserve.outputs import CompletionOutput, Logprob, RequestOutput
+from nanoserve.streaming import RequestError
+
+# vLLM's floor for -inf logprobs, which JSON cannot carry.
+_MIN_LOGPROB = -9999.0
+
+
+def _uid() -> str:
+    return uuid.uuid4().hex
+
+
+def result_record(custom_id: str, url: str, out: RequestOutput, model: str, tokenizer) -> dict:
+    body = _chat_body(out, model, tokenizer) if url == CHAT_URL else _completion_body(out, model, tokenizer)
+    return {
+        "id": f"nanoserve-{_uid()}",
+        "custom_id": custom_id,
+        "response": {"status_code": 200, "request_id": f"nanoserve-batch-{_uid()}", "body": body},
+        "error": None,
+    }
+
+
+def error_record(custom_id: str | None, line: int, error: RequestError) -> dict:
+    not_found = issubclass(error.error_type, ModelNotFoundError)
+    code = 404 if not_found else 400
+    return {
+        "id": f"nanoserve-{_uid()}",
+        "custom_id": custom_id,
+        "response": {"status_code": code, "request_id": f"nanoserve-batch-{_uid()}", "body": None},
+        "error": {
+            "message": error.message,
+            "type": "NotFoundError" if not_found else "BadRequestError",
+            "param": None,
+            "code": code,
+            "line": line,
+        },
+    }
+
+
+def _usage(out: RequestOutput) -> dict:
+    prompt_tokens = len(out.prompt_token_ids)
+    completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+        "prompt_tokens_details": None,
+    }
+
+
+def _chat_body(out: RequestOutput, model: str, tokenizer) -> dict:
+    choices = [
+        {
+            "index": c.index,
+            "message": {
+                "role": "assistant", "content": c.text, "refusal": None, "annotations": None, "audio": None,
+                "function_call": None, "tool_calls": [], "reasoning_content": None,
+            },
+            "logprobs": _chat_logprobs(c, tokenizer),
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
+        for c in out.outputs
+    ]
+    return {
+        "id": f"chatcmpl-{_uid()}", "object": "chat.completion", "created": int(time.time()), "model": model,
+        "choices": choices, "service_tier": None, "system_fingerprint": None, "usage": _usage(out),
+        "prompt_logprobs": None, "kv_transfer_params": None,
+    }
+
+
+def _completion_body(out: RequestOutput, model: str, tokenizer) -> dict:
+    choices = [
+        {
+            "index": c.index,
+            "text": c.text,
+            "logprobs": _completion_logprobs(c, tokenizer),
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+            "prompt_logprobs": None,
+        }
+        for c in out.outputs
+    ]
+    return {
+        "id": f"cmpl-{_uid()}", "object": "text_completion", "created": int(time.time()), "model": model,
+        "choices": choices, "service_tier": None, "system_fingerprint": None, "usage": _usage(out),
+        "kv_transfer_params": None,
+    }
+
+
+def _token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id])
+
+
+def _top(step: dict[int, Logprob]) -> list[tuple[int, Logprob]]:
+    """The step's top-k entries by rank (the sampled token is listed too when outside them)."""
+    return sorted(((t, lp) for t, lp in step.items() if lp.rank is not None), key=lambda e: e[1].rank)
+
+
+def _chat_logprobs(c: CompletionOutput, tokenizer) -> dict | None:
+    if c.logprobs is None:
+        return None
+
+    def entry(token_id: int, logprob: float) -> dict:
+        text = _token_text(tokenizer, token_id)
+        return {"token": text, "logprob": max(logprob, _MIN_LOGPROB), "bytes": list(text.encode("utf-8", "replace"))}
+
+    content = []
+    for token_id, step in zip(c.token_ids, c.logprobs):
+        item = entry(token_id, step[token_id].logprob)
+        item["top_logprobs"] = [entry(t, lp.logprob) for t, lp in _top(step)]
+        content.append(item)
+    return {"content": content}
+
+
+def _completion_logprobs(c: CompletionOutput, tokenizer) -> dict | None:
+    if c.logprobs is None:
+        return None
+    result: dict[str, list] = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+    offset = 0
+    for token_id, step in zip(c.token_ids, c.logprobs):
+        text = _token_text(tokenizer, token_id)
+        result["text_offset"].append(offset)
+        result["token_logprobs"].append(max(step[token_id].logprob, _MIN_LOGPROB))
+        result["tokens"].append(text)
+        top = {text: max(step[token_id].logprob, _MIN_LOGPROB)}  # vLLM lists the sampled token first
+        top.update({_token_text(tokenizer, t): max(lp.logprob, _MIN_LOGPROB) for t, lp in _top(step)})
+        result["top_logprobs"].append(top)
+        offset += len(text)
+    return result

@@ -1,0 +1,124 @@
+"""Ray Data on many machines: `LLMPredictor`, a callable class for `Dataset.map_batches`.
+
+Each of the `concurrency=N` actors Ray starts builds one `LLM` and runs the batches it is given:
+
+    ds = ray.data.read_json("s3://bucket/prompts/")
+    ds = ds.map_batches(LLMPredictor, concurrency=2, batch_size=64, fn_constructor_kwargs={
+        "model": "/mnt/models/Qwen3-0.6B",
+        "sampling_params": {"temperature": 0, "max_tokens": 16},
+        "engine_kwargs": {"dtype": "bfloat16"},
+    })
+
+A row holds `prompt` (text or token ids) or `messages` (a chat, through the chat template), and
+optionally its own `sampling_params` dict that overrides the shared one. Rows come back with the
+columns of Ray's own LLM processor added: `generated_text`, `generated_tokens`,
+`num_generated_tokens`, `num_input_tokens` and `finish_reason` (of the first sample). This module
+does not import Ray; `pip install "nanoserve[ray]"` installs Ray Data for the driver and workers.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from jinja2.exceptions import TemplateError
+
+from nanoserve.llm import LLM
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.streaming import RequestError
+
+OUTPUT_COLUMNS = ("generated_text", "generated_tokens", "num_generated_tokens", "num_input_tokens", "finish_reason")
+ERROR_COLUMN = "__inference_error__"  # Ray's name, for rows kept with should_continue_on_error
+
+
+def _plain(value: Any) -> Any:
+    """Arrow/numpy values as plain Python: arrays to lists, recursively (chats come as arrays of dicts)."""
+    if hasattr(value, "tolist") and not isinstance(value, (str, bytes)):
+        value = value.tolist()
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+class LLMPredictor:
+    """One LLM per actor; `__call__` maps a batch (a dict of columns) to the same batch plus outputs.
+
+    should_continue_on_error: as in Ray's processor, False raises on the first invalid row (and
+    Ray fails the task); True keeps such rows with `__inference_error__` set and empty outputs.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        sampling_params: dict | None = None,
+        engine_kwargs: dict | None = None,
+        chat_template_kwargs: dict | None = None,
+        should_continue_on_error: bool = False,
+    ) -> None:
+        self.llm = LLM(model, **(engine_kwargs or {}))
+        self.sampling_params = dict(sampling_params or {})
+        SamplingParams(**self.sampling_params)  # a bad shared value fails here, once, not per row
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.should_continue_on_error = should_continue_on_error
+
+    def __call__(self, batch: Mapping[str, Any]) -> dict[str, list]:
+        columns = {name: list(values) for name, values in dict(batch).items()}  # pandas or numpy batches
+        num_rows = len(next(iter(columns.values()), []))
+        results: dict[int, Any] = {}
+        requests = {}
+        for i in range(num_rows):
+            row = {name: values[i] for name, values in columns.items()}
+            try:
+                requests[i] = (self._prompt(row), self._params(row))
+            except (TypeError, ValueError) as e:
+                results[i] = RequestError(str(e), type(e))
+        order = list(requests)  # generate_stream numbers the rows it is given 0.., in this order
+        stream = self.llm.generate_stream(
+            [requests[i][0] for i in order], [requests[i][1] for i in order], use_tqdm=False
+        )
+        for k, result in stream:
+            results[order[k]] = result
+        return {**columns, **self._output_columns([results[i] for i in range(num_rows)])}
+
+    def _output_columns(self, results: list) -> dict[str, list]:
+        out: dict[str, list] = {name: [] for name in OUTPUT_COLUMNS}
+        errors = []
+        for i, result in enumerate(results):
+            if isinstance(result, RequestError):
+                if not self.should_continue_on_error:
+                    raise result.error_type(f"row {i} of the batch: {result.message}")
+                values = ("", [], 0, 0, None)
+                errors.append(f"{result.error_type.__name__}: {result.message}")
+            else:
+                first = result.outputs[0]
+                values = (first.text, list(first.token_ids), len(first.token_ids), len(result.prompt_token_ids),
+                          first.finish_reason)
+                errors.append(None)
+            for name, value in zip(OUTPUT_COLUMNS, values):
+                out[name].append(value)
+        if self.should_continue_on_error:
+            out[ERROR_COLUMN] = errors
+        return out
+
+    def _prompt(self, row: dict) -> Any:
+        """What generate_stream takes: text, token ids, or a chat rendered to token ids."""
+        messages = _plain(row.get("messages"))
+        if messages is None:
+            if row.get("prompt") is None:
+                raise ValueError("a row needs a `prompt` (text or token ids) or `messages` column")
+            return _plain(row["prompt"])
+        try:
+            text = self.llm.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True, **self.chat_template_kwargs
+            )
+        except TemplateError as e:
+            raise ValueError(f"the chat template rejected `messages`: {e}") from None
+        return {"prompt_token_ids": self.llm.tokenizer.encode(text, add_special_tokens=False)}
+
+    def _params(self, row: dict) -> SamplingParams:
+        """The shared sampling_params updated with the row's; null keys are absent (Arrow fills them in)."""
+        own = _plain(row.get("sampling_params")) or {}
+        if not isinstance(own, dict):
+            raise TypeError(f"a row's `sampling_params` must be a dict, got {type(own).__name__}")
+        return SamplingParams(**{**self.sampling_params, **{k: v for k, v in own.items() if v is not None}})

@@ -1,0 +1,261 @@
+"""`nanoserve run-batch` end to end: mixed good and bad lines, SIGKILL then --resume, SIGINT."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import fields
+
+import pytest
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.cli import build_parser, engine_kwargs, main
+from nanoserve.config import Config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENGINE = {"device": "cpu", "dtype": "float32", "max_model_len": 128, "kvcache_block_size": 8,
+          "num_kvcache_blocks": 256, "max_num_seqs": 8}
+ENGINE_FLAGS = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()]
+# The runs that get interrupted go two requests at a time, so there is a "mid-run" to hit.
+SLOW_FLAGS = ["--max-num-seqs=2", "--max-inflight=2"]
+NUM_GOOD = 36
+
+
+def good_lines(model_name: str) -> list[dict]:
+    lines = []
+    for i in range(NUM_GOOD):
+        common = {"temperature": 0, "max_tokens": 10 + i % 7, "ignore_eos": True}
+        if i % 3 == 0:
+            body = {"model": model_name, "messages": [{"role": "user", "content": f"tell me about {i}"}], **common}
+            lines.append({"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body})
+        else:
+            body = {"prompt": f"once upon a time {i}" if i % 3 == 1 else [5 + i, 17, 42, 99], **common}
+            lines.append({"custom_id": f"req-{i}", "method": "POST", "url": "/v1/completions", "body": body})
+    return lines
+
+
+# (raw line, the error it must produce: status code and a fragment of the message)
+BAD_LINES = [
+    ('{"custom_id": "broken", "method": ', 400, "invalid JSON"),
+    (json.dumps({"method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}), 400, "custom_id"),
+    (json.dumps({"custom_id": "req-1", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}),
+     400, "duplicate custom_id 'req-1'"),
+    (json.dumps({"custom_id": "bad-url", "method": "POST", "url": "/v1/embeddings", "body": {}}), 400, "URL"),
+    (json.dumps({"custom_id": "bad-temp", "method": "POST", "url": "/v1/completions",
+                 "body": {"prompt": "x", "temperature": -1}}), 400, "temperature"),
+    (json.dumps({"custom_id": "too-long", "method": "POST", "url": "/v1/completions",
+                 "body": {"prompt": list(range(5, 200))}}), 400, "maximum context length is 128"),
+    (json.dumps({"custom_id": "bad-model", "method": "POST", "url": "/v1/chat/completions",
+                 "body": {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}}), 404, "gpt-4o"),
+]
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_model, tmp_path_factory):
+    """The input file (bad lines spread among the good ones) and greedy outputs from llm.generate / llm.chat."""
+    root = tmp_path_factory.mktemp("run_batch")
+    good = good_lines(os.path.basename(tiny_model))
+    raw = [json.dumps(line) for line in good]
+    for k, (line, _, _) in enumerate(BAD_LINES):
+        raw.insert(3 + 5 * k, line)
+    raw.insert(10, "")  # blank lines are skipped, as vLLM does
+    path = root / "in.jsonl"
+    path.write_text("\n".join(raw) + "\n")
+
+    llm = LLM(tiny_model, **ENGINE)
+    chat = [line for line in good if "messages" in line["body"]]
+    plain = [line for line in good if "prompt" in line["body"]]
+
+    def params(lines):
+        return [SamplingParams(temperature=0, max_tokens=line["body"]["max_tokens"], ignore_eos=True) for line in lines]
+
+    outputs = llm.chat([line["body"]["messages"] for line in chat], params(chat), use_tqdm=False)
+    outputs += llm.generate([line["body"]["prompt"] for line in plain], params(plain), use_tqdm=False)
+    expected = {
+        line["custom_id"]: (out.outputs[0].text, len(out.outputs[0].token_ids)) for line, out in zip(chat + plain, outputs)
+    }
+    return {"root": root, "input": str(path), "model": tiny_model, "expected": expected,
+            "bad_line_numbers": [i + 1 for i, line in enumerate(raw) if line in {b[0] for b in BAD_LINES}]}
+
+
+def run_in_process(batch, output, *extra) -> int:
+    return main(["run-batch", "-i", batch["input"], "-o", str(output), "--model", batch["model"],
+                 "--no-progress-bar", *ENGINE_FLAGS, *extra])
+
+
+def start_subprocess(batch, output) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "nanoserve", "run-batch", "-i", batch["input"], "-o", str(output),
+           "--model", batch["model"], *ENGINE_FLAGS, *SLOW_FLAGS]
+    # One thread: the tiny model gains nothing from more, and pytest shares the cores with it.
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def wait_for_lines(proc: subprocess.Popen, output, count: int, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if output.exists() and output.read_bytes().count(b"\n") >= count:
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"run-batch exited early ({proc.returncode}): {proc.stderr.read().decode()[-2000:]}")
+        time.sleep(0.005)
+    proc.kill()
+    pytest.fail("run-batch wrote no output in time")
+
+
+def read_records(output) -> dict:
+    """Records keyed by custom_id, or by input line for errors that have none; a key twice fails."""
+    records = {}
+    for text in output.read_text().splitlines():
+        record = json.loads(text)
+        key = record["custom_id"] if record["custom_id"] is not None else ("line", record["error"]["line"])
+        assert key not in records, f"{key} written twice"
+        records[key] = record
+    return records
+
+
+def summary(records: dict) -> dict:
+    """What must be equal between two runs (ids and timestamps differ)."""
+    out = {}
+    for key, r in records.items():
+        body = r["response"]["body"]
+        if body is None:
+            out[key] = (r["response"]["status_code"], r["error"]["message"])
+        else:
+            choice = body["choices"][0]
+            text = choice["message"]["content"] if body["object"] == "chat.completion" else choice["text"]
+            out[key] = (r["response"]["status_code"], text, body["usage"]["completion_tokens"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(batch):
+    output = batch["root"] / "uninterrupted.jsonl"
+    assert run_in_process(batch, output) == 1  # some lines failed
+    return read_records(output)
+
+
+def test_mixed_lines_one_record_each_with_greedy_texts_of_generate(batch, reference):
+    assert len(reference) == NUM_GOOD + len(BAD_LINES)
+    for custom_id, (text, num_tokens) in batch["expected"].items():
+        record = reference[custom_id]
+        assert record["error"] is None and record["response"]["status_code"] == 200
+        assert summary({custom_id: record})[custom_id] == (200, text, num_tokens)
+        body = record["response"]["body"]
+        assert body["choices"][0]["finish_reason"] == "length"
+        assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + num_tokens
+    errors = [r for r in reference.values() if r["error"] is not None]
+    assert sorted(r["error"]["line"] for r in errors) == batch["bad_line_numbers"]
+    for (_, code, fragment), line in zip(BAD_LINES, batch["bad_line_numbers"]):
+        [record] = [r for r in errors if r["error"]["line"] == line]
+        assert record["response"] == {**record["response"], "status_code": code, "body": None}
+        assert fragment in record["error"]["message"]
+
+
+def test_existing_output_without_resume_is_refused_untouched(batch, reference, tmp_path):
+    output = tmp_path / "out.jsonl"
+    output.write_text('{"custom_id": "x"}\n')
+    before = output.read_bytes()
+    assert run_in_process(batch, output) == 2
+    assert output.read_bytes() == before
+
+
+def test_sigkill_then_resume_equals_uninterrupted_run(batch, reference, tmp_path):
+    output = tmp_path / "out.jsonl"
+    proc = start_subprocess(batch, output)
+    wait_for_lines(proc, output, 4)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done = output.read_bytes()
+    assert done.count(b"\n") < len(reference), "the run finished before it was killed"
+    output.write_bytes(done[:-25])  # as if killed mid-write: the last line is torn
+    assert run_in_process(batch, output, "--resume") == 1
+    assert summary(read_records(output)) == summary(reference)
+
+
+def test_sigint_finishes_in_flight_and_leaves_a_valid_file(batch, reference, tmp_path):
+    output = tmp_path / "out.jsonl"
+    proc = start_subprocess(batch, output)
+    wait_for_lines(proc, output, 4)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT, stderr.decode()[-2000:]
+    assert b"finishing the requests in flight" in stderr
+    text = output.read_text()
+    assert text.endswith("\n")
+    partial = read_records(output)  # every line is whole JSON, no custom_id twice
+    assert 4 <= len(partial) < len(reference)
+    assert all(summary({k: r}) == summary({k: reference[k]}) for k, r in partial.items())
+    assert run_in_process(batch, output, "--resume") == 1
+    assert summary(read_records(output)) == summary(reference)
+
+
+def test_every_llm_option_is_a_flag():
+    args = ["run-batch", "-i", "in", "-o", "out", "--model", "m"]
+    assert engine_kwargs(build_parser().parse_args(args)) == {}  # unset flags leave LLM's defaults
+    flags = {"max_model_len": "--max-model-len=77", "enable_prefix_caching": "--no-enable-prefix-caching",
+             "gpu_memory_utilization": "--gpu-memory-utilization=0.5", "dtype": "--dtype=float32"}
+    parsed = engine_kwargs(build_parser().parse_args(args + list(flags.values())))
+    assert parsed == {"max_model_len": 77, "enable_prefix_caching": False, "gpu_memory_utilization": 0.5,
+                      "dtype": "float32"}
+    for f in fields(Config):  # each field, set alone, reaches LLM's kwargs
+        if f.name in Config.field_names():
+            flag = "--" + f.name.replace("_", "-") + ("" if f.type in ("bool", bool) else "=1")
+            assert f.name in engine_kwargs(build_parser().parse_args(args + [flag])), flag
+
+
+@pytest.fixture(scope="module")
+def builder(tiny_model):
+    from nanoserve.entrypoints.openai_request import RequestBuilder
+
+    return RequestBuilder(LLM(tiny_model, **ENGINE), tiny_model)
+
+
+def test_body_fields_map_to_sampling_params_as_vllm(builder):
+    defaults = builder.llm.engine.default_sampling_params()
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    request = builder.build({"method": "POST", "url": "/v1/chat/completions", "body": {
+        **chat, "max_tokens": 5, "max_completion_tokens": 7, "logprobs": True, "top_logprobs": 3, "seed": 11,
+        "stop": "x", "n": 2, "presence_penalty": 0.5, "min_tokens": 1}})
+    p = request.params
+    assert (p.max_tokens, p.logprobs, p.seed, p.stop, p.n, p.presence_penalty, p.min_tokens) == (
+        7, 3, 11, ["x"], 2, 0.5, 1)
+    assert (p.temperature, p.top_p, p.top_k) == (defaults.temperature, defaults.top_p, defaults.top_k)
+    # Chat without a cap: the rest of the context. Completions: 16, and logprobs is a count.
+    p = builder.build({"method": "POST", "url": "/v1/chat/completions", "body": chat}).params
+    assert p.max_tokens == ENGINE["max_model_len"] - len(builder.build(
+        {"method": "POST", "url": "/v1/chat/completions", "body": chat}).prompt_token_ids)
+    p = builder.build({"method": "POST", "url": "/v1/completions", "body": {"prompt": "a", "logprobs": 2}}).params
+    assert (p.max_tokens, p.logprobs) == (16, 2)
+    for body, match in [({**chat, "top_logprobs": 2}, "`logprobs` must be set to true"),
+                        ({**chat, "stream": True}, "`stream` is not supported"),
+                        ({**chat, "logit_bias": {"5": 1}}, "`logit_bias` is not supported"),
+                        ({**chat, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "text parts"),
+                        ({"prompt": ["a", "b"]}, "one prompt per line")]:
+        url = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        with pytest.raises(ValueError, match=match):
+            builder.build({"method": "POST", "url": url, "body": body})
+
+
+@pytest.mark.parametrize("url", ["/v1/chat/completions", "/v1/completions"])
+def test_response_logprobs_are_the_engines(builder, url):
+    from nanoserve.entrypoints.openai_response import result_record
+    from nanoserve.streaming import stream_requests
+
+    body = {"temperature": 0, "max_tokens": 4, "ignore_eos": True}
+    body.update({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2}
+                if "chat" in url else {"prompt": "hello", "logprobs": 2})
+    [(_, out)] = stream_requests(builder.llm.engine, [(0, builder.build({"method": "POST", "url": url, "body": body}))], 1)
+    choice = result_record("c", url, out, "m", builder.llm.tokenizer)["response"]["body"]["choices"][0]
+    sample = out.outputs[0]
+    expected = [step[t].logprob for t, step in zip(sample.token_ids, sample.logprobs)]
+    if "chat" in url:
+        assert [c["logprob"] for c in choice["logprobs"]["content"]] == expected
+        assert all(len(c["top_logprobs"]) == 2 for c in choice["logprobs"]["content"])
+        assert choice["message"]["content"] == sample.text
+    else:
+        assert choice["logprobs"]["token_logprobs"] == expected
+        assert choice["logprobs"]["tokens"] == [builder.llm.tokenizer.decode([t]) for t in sample.token_ids]
+        assert choice["text"] == sample.text
+        assert all(2 <= len(top) <= 3 for top in choice["logprobs"]["top_logprobs"])
