@@ -164,3 +164,11 @@ def test_engine_generates_through_flash_attn_like_the_torch_backend(fake_flash_a
                                   reverse=True)
                     assert top2[0] - top2[1] < 1e-2, f"diverged at step {step} with a clear top-1: {top2}"
                     break
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the smoke script runs for minutes")
+def test_smoke_script_says_there_is_no_gpu_and_succeeds():
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "nanoserve.smoke"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "no CUDA GPU" in proc.stdout
