@@ -178,6 +178,32 @@ ATTENTION_CASES = {
 
 
 
+def _fused_moe_case(num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int, dtype: str) -> dict:
+    from nanoserve.kernels.fused_moe import fused_moe_torch
+    from nanoserve.kernels.fused_moe_triton import fused_moe_triton
+    from nanoserve.layers.moe import route
+
+    g = torch.Generator().manual_seed(num_tokens * 7 + num_experts)
+    x = torch.randn(num_tokens, hidden, generator=g).to(DTYPES[dtype])
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=g) * 0.2).to(DTYPES[dtype])
+    w2 = (torch.randn(num_experts, hidden, inter, generator=g) * 0.2).to(DTYPES[dtype])
+    weights, ids = route(torch.randn(num_tokens, num_experts, generator=g).to(DTYPES[dtype]), top_k, True)
+    got = fused_moe_triton(x, w13, w2, weights, ids)
+    ref = fused_moe_torch(x, w13, w2, weights, ids).float()  # rounds where the kernel rounds
+    err = (got.float() - ref).abs().max().item()
+    # fp32 only sums in another order; bf16 also rounds the intermediate projections.
+    tol = 1e-5 if dtype == "fp32" else 2e-2 * ref.abs().max().item()
+    return {"ok": got.dtype == x.dtype and err <= tol, "detail": f"max_abs_err={err:.3g} (tol {tol})"}
+
+
+MOE_CASES = {
+    "fused_moe_1tok_e8_k2_fp32": dict(num_tokens=1, num_experts=8, top_k=2, hidden=32, inter=48, dtype="fp32"),
+    "fused_moe_37tok_e6_k2_fp32": dict(num_tokens=37, num_experts=6, top_k=2, hidden=48, inter=40, dtype="fp32"),
+    "fused_moe_50tok_e16_k4_bf16": dict(num_tokens=50, num_experts=16, top_k=4, hidden=64, inter=32, dtype="bf16"),
+    "fused_moe_5tok_all_experts_fp32": dict(num_tokens=5, num_experts=4, top_k=4, hidden=16, inter=16, dtype="fp32"),
+}
+
+
 def _rejects_bad_heads_case() -> dict:
     from nanoserve.kernels.triton_paged_attention import paged_attention_decode_triton
 
@@ -191,6 +217,7 @@ def _rejects_bad_heads_case() -> dict:
 
 TRITON_CASES = {name: (_store_kv_case, kw) for name, kw in STORE_KV_CASES.items()}
 TRITON_CASES.update({name: (_attention_case, kw) for name, kw in ATTENTION_CASES.items()})
+TRITON_CASES.update({name: (_fused_moe_case, kw) for name, kw in MOE_CASES.items()})
 TRITON_CASES["rejects_num_heads_not_multiple_of_kv_heads"] = (_rejects_bad_heads_case, {})
 
 
@@ -233,6 +260,28 @@ def triton_results(request: pytest.FixtureRequest) -> dict:
 def test_triton_kernel_matches_torch(case: str, triton_results: dict) -> None:
     result = triton_results[case]
     assert result["ok"], f"{case}: {result['detail']}"
+
+
+@pytest.mark.parametrize("num_tokens, num_experts, top_k", [(1, 8, 2), (37, 6, 2), (300, 128, 8), (3, 4, 4)])
+def test_moe_alignment_groups_every_entry_once_by_expert(num_tokens, num_experts, top_k):
+    """The Triton MoE kernel's row order: blocks of one expert each, every (token, k) entry once."""
+    pytest.importorskip("triton")
+    from nanoserve.kernels.fused_moe_triton import BLOCK_M, align_by_expert
+
+    g = torch.Generator().manual_seed(num_tokens)
+    ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(num_tokens)])
+    entries, block_expert = align_by_expert(ids, num_experts, BLOCK_M)
+    n = num_tokens * top_k
+    real = entries[entries < n]
+    assert sorted(real.tolist()) == list(range(n)), "every entry exactly once"
+    assert entries.numel() == block_expert.numel() * BLOCK_M
+    blocks = entries.view(-1, BLOCK_M)
+    for b, expert in enumerate(block_expert.tolist()):
+        rows = blocks[b][blocks[b] < n]
+        if expert == num_experts:  # past every expert's rows: padding only
+            assert rows.numel() == 0
+        else:
+            assert (ids.flatten()[rows] == expert).all() and rows.numel() > 0
 
 
 def test_triton_decode_compiles_a_bounded_set_of_variants() -> None:

@@ -7,8 +7,11 @@ reference store's boolean mask needs a host sync, which CUDA-graph capture forbi
 """
 from __future__ import annotations
 
-from nanoserve.backends.base import Backend
+from functools import partial
+
+from nanoserve.backends.base import Backend, MoEFn
 from nanoserve.kernels import triton_paged_attention as tpa
+from nanoserve.kernels.fused_moe_triton import fused_moe_triton
 from nanoserve.kernels.store_kv import store_kv_triton
 
 
@@ -30,6 +33,9 @@ class TritonBackend(Backend):
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+
+    def prepare_moe(self, w13, w2) -> MoEFn:
+        return partial(fused_moe_triton, w13=w13.contiguous(), w2=w2.contiguous())
 
     def decode(self, q, k_cache, v_cache, meta, scale):
         return tpa.paged_attention_decode_triton(
