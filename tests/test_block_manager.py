@@ -22,7 +22,8 @@ def admit(bm: BlockManager, seq: Sequence) -> bool:
     if not bm.allocate_slots(seq, n, hits):
         return False
     seq.num_computed_tokens += n
-    bm.cache_full_blocks(seq)
+    bm.cache_full_blocks(seq, seq.num_computed_tokens)
+    bm.commit()
     return True
 
 
@@ -135,7 +136,8 @@ def test_decode_filled_blocks_are_cached():
         a.append_token(token)
         assert bm.allocate_slots(a, 1)
         a.num_computed_tokens += 1
-        bm.cache_full_blocks(a)
+        bm.cache_full_blocks(a, a.num_computed_tokens)
+        bm.commit()
     bm.free(a)
     follow_up = make_seq([1, 2, 3, 4, 5, 6, 7])
     assert len(bm.get_computed_blocks(follow_up)) == 2
@@ -175,7 +177,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         bs = self.bm.block_size
         for p in range(start, seq.num_computed_tokens):
             self.written[seq.block_table[p // bs] * bs + p % bs] = (seq.token_ids[p], p)
-        self.bm.cache_full_blocks(seq)
+        self.bm.cache_full_blocks(seq, seq.num_computed_tokens)
+        self.bm.commit()
 
     def _admit(self, seq: Sequence) -> bool:
         bs = self.bm.block_size
@@ -192,6 +195,22 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq.num_computed_tokens += n
         self._compute(seq, start)
         return True
+
+    @rule(prefix=st.sampled_from([[], [7, 7, 7], [7, 7, 7, 1, 2, 3]]), tail=st.lists(st.integers(0, 3), min_size=1, max_size=8),
+          step_fails=st.booleans())
+    def publish_then_never_compute(self, prefix, tail, step_fails):
+        """Blocks published when scheduled, then the step raises (rollback) or the sequence leaves
+        before its forward pass (free): no later hit may find them."""
+        seq = make_seq(prefix + tail)
+        hits = self.bm.get_computed_blocks(seq)
+        n = seq.num_tokens - len(hits) * self.bm.block_size
+        if not self.bm.allocate_slots(seq, n, hits):
+            return
+        self.bm.cache_full_blocks(seq, seq.num_computed_tokens + n)
+        if step_fails:
+            self.bm.rollback()
+        self.bm.free(seq)
+        self.bm.forget(seq)
 
     @rule(prefix=st.sampled_from([[], [7, 7, 7], [7, 7, 7, 1, 2, 3]]), tail=st.lists(st.integers(0, 3), min_size=1, max_size=8))
     def add(self, prefix, tail):

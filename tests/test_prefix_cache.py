@@ -66,3 +66,46 @@ def test_caching_disabled_writes_and_reads_nothing(tiny_model):
     assert out.num_cached_tokens == 0
     assert not llm.engine.block_manager.pool.hash_index
     assert llm.prefix_cache_hit_rate == 0.0
+
+
+def test_shared_prefix_within_one_generate_is_computed_once(tiny_model, hf):
+    """Blocks are published when scheduled, so prompts in the same step share their prefix."""
+    llm = make_llm(tiny_model, kvcache_block_size=8)
+    system = random_prompts(1, 40, 40, seed=51)[0]  # five full blocks
+    prompts = [system + tail for tail in random_prompts(5, 3, 12, seed=52)]
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)  # one call: all scheduled in the first step
+    assert outputs[0].num_cached_tokens == 0
+    assert all(o.num_cached_tokens == 40 for o in outputs[1:])
+    assert llm.prefix_cache_stats["hits"] == 4 * 40
+    assert_matches_hf(hf, tiny_model, prompts, outputs, 24)
+    assert_no_leak(llm)
+
+
+class _FailsOnFirstForward(Exception):
+    pass
+
+
+def test_a_failed_step_leaves_no_cache_entry_for_unwritten_kv(tiny_model, hf):
+    from nanoserve.backends.base import Backend
+
+    class FailingBackend(Backend):
+        fail = True
+
+        def attention(self, *args):
+            if FailingBackend.fail:
+                raise _FailsOnFirstForward("injected")
+            return super().attention(*args)
+
+    llm = make_llm(tiny_model, kvcache_block_size=8, attention_backend=FailingBackend)
+    system = random_prompts(1, 40, 40, seed=53)[0]
+    prompts = [system + tail for tail in random_prompts(3, 3, 12, seed=54)]
+    with pytest.raises(_FailsOnFirstForward):
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    bm = llm.engine.block_manager
+    assert not bm.pool.hash_index, "blocks published for the failed step are still in the cache"
+    bm.check_integrity([])
+    assert llm.engine.is_finished()
+    FailingBackend.fail = False
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert_matches_hf(hf, tiny_model, prompts, outputs, 24)
+    assert_no_leak(llm)

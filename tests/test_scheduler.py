@@ -142,3 +142,22 @@ def test_n_children_share_prompt_blocks_and_all_finish():
     assert used == 3  # two shared full prompt blocks + the parent's tail block; children add theirs later
     finished, _ = run_to_completion(sched)
     assert len(finished) == 3
+
+
+def test_a_later_sequence_hits_blocks_published_in_the_same_step_and_rollback_forgets_them():
+    sched = make_scheduler(num_blocks=32, block_size=4, budget=64)
+    a, b = make_seqs([12, 12], max_tokens=4)
+    b.token_ids = list(a.token_ids)  # same 12-token prompt
+    sched.add(a)
+    sched.add(b)
+    batch = sched.schedule()
+    assert batch.seqs == [a, b]
+    assert b.num_computed_tokens == 8 and b.block_table[:2] == a.block_table[:2]  # hit, same step
+    assert batch.num_new_tokens == [12, 4]
+    bm = sched.block_manager
+    bm.check_integrity([a, b])
+    bm.rollback()  # the step failed: nothing it published may stay in the cache
+    assert not bm.pool.hash_index
+    sched.abort_all()
+    bm.check_integrity([])
+    assert bm.num_free_blocks == 32

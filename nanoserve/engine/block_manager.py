@@ -3,6 +3,12 @@
 A block's hash is xxh64(parent block hash, its token ids), so equal hashes mean equal prefixes
 up to that block (verified on a hit). Only full blocks are cached; blocks filled during decode
 are cached too, so a later prompt that extends prompt + completion reuses them.
+
+A block is published when the step that fills it is scheduled (as vLLM v1 and nano-vllm do), so
+a sequence scheduled later in the same step hits it: its attention reads K/V that the same forward
+pass stores before attending. Until that step has run, the block is uncommitted: `rollback` (the
+step raised) and `free` (the sequence left before its forward pass) forget it, so the cache never
+points at K/V that was not written.
 """
 from __future__ import annotations
 
@@ -33,6 +39,7 @@ class BlockManager:
         self._block_hashes: dict[int, list[int]] = {}
         # seq_id -> how many leading blocks of its table are cached (or were tried).
         self._num_cached_blocks: dict[int, int] = {}
+        self._uncommitted: dict[int, int] = {}  # block id -> seq id: published, K/V written by the coming step
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
 
@@ -78,11 +85,12 @@ class BlockManager:
         self.num_queried_tokens += seq.num_tokens
         self.num_hit_tokens += num_hit_tokens
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        """Cache every block of `seq` whose tokens all have K/V now."""
+    def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Publish every block of `seq` whose tokens will all have K/V once this step has run
+        (its first `num_tokens` tokens); they stay uncommitted until `commit`."""
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
+        num_full = num_tokens // self.block_size
         start = self._num_cached_blocks.get(seq.seq_id, 0)
         if num_full <= start:
             return
@@ -94,8 +102,19 @@ class BlockManager:
                 parent_uid = parent.uid if parent is not None else None
                 if i and parent_uid is None:
                     break  # parent not cached (a duplicate): children could never be hit
-                self.pool.cache(block.block_id, hashes[i], parent_uid, self._block_tokens(seq, i))
+                if self.pool.cache(block.block_id, hashes[i], parent_uid, self._block_tokens(seq, i)):
+                    self._uncommitted[block.block_id] = seq.seq_id
         self._num_cached_blocks[seq.seq_id] = num_full
+
+    def commit(self) -> None:
+        """The step ran: the K/V of every block published for it is written."""
+        self._uncommitted.clear()
+
+    def rollback(self) -> None:
+        """The step failed: forget the blocks published for it, whose K/V may not be written."""
+        for block_id in self._uncommitted:
+            self.pool.uncache(block_id)
+        self._uncommitted.clear()
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_cache()
@@ -136,6 +155,11 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Return a sequence's blocks tail-first, so a chain's tail is evicted before its head."""
+        for block_id in seq.block_table:
+            if self._uncommitted.get(block_id) == seq.seq_id:  # it leaves before its step computes the block
+                assert self.pool.blocks[block_id].ref_count == 1, f"block {block_id} was hit before it was written"
+                self.pool.uncache(block_id)
+                del self._uncommitted[block_id]
         self.pool.release(seq.block_table[::-1])
         seq.block_table = []
         seq.num_computed_tokens = 0
@@ -147,6 +171,8 @@ class BlockManager:
 
     def check_integrity(self, seqs: list[Sequence]) -> None:
         self.pool.check_integrity([seq.block_table for seq in seqs])
+        for block_id in self._uncommitted:
+            assert self.pool.blocks[block_id].hash is not None, f"uncommitted block {block_id} is not cached"
         for seq in seqs:
             assert len(seq.block_table) >= self.num_blocks_for(seq.num_computed_tokens), (
                 f"{seq} has computed tokens outside its blocks"

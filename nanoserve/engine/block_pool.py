@@ -89,6 +89,13 @@ class BlockPool:
         self.hash_index[block_hash] = block_id
         return True
 
+    def uncache(self, block_id: int) -> None:
+        """Forget what a block caches (its K/V will not be written after all)."""
+        block = self.blocks[block_id]
+        self._evict(block)
+        if block.ref_count == 0:  # holds nothing worth keeping now: reuse it first
+            self.free_queue.move_to_end(block_id, last=False)
+
     def reset_cache(self) -> None:
         for block in self.blocks:
             self._evict(block)

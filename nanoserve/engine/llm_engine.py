@@ -180,7 +180,14 @@ class LLMEngine:
             StepEntry(seq.request_id, seq.num_computed_tokens, n, samples)
             for seq, n, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples)
         ]
-        out = self.model_runner.run(batch)
+        try:
+            out = self.model_runner.run(batch)
+        except BaseException:
+            # Blocks published for this step hold no K/V, and sequences that hit them in this step
+            # would read garbage: forget the blocks and drop every request in flight.
+            self.block_manager.rollback()
+            self.abort_all()
+            raise
         got_token = self.scheduler.postprocess(batch, out.token_ids)
         now = time.perf_counter()
         stats = StepStats(*self._count_tokens(batch), entries=entries)

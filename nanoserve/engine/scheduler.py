@@ -32,10 +32,6 @@ class ScheduledBatch:
     def num_decode_seqs(self) -> int:
         return sum(n == 1 for n in self.num_new_tokens)
 
-    @property
-    def is_prefill_only(self) -> bool:
-        return all(seq.is_prefill for seq in self.seqs)
-
 
 class Scheduler:
     def __init__(
@@ -96,6 +92,7 @@ class Scheduler:
                 preempted = True
                 if victim is seq:
                     return preempted
+            self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + n)
             seqs.append(seq)
             num_new.append(n)
             budget -= n
@@ -122,6 +119,8 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            # Published now: a sequence scheduled after this one in the same step can hit it.
+            self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + n)
             seqs.append(seq)
             num_new.append(n)
             budget -= n
@@ -135,16 +134,16 @@ class Scheduler:
     # ---- after the forward pass ------------------------------------------------------------
 
     def postprocess(self, batch: ScheduledBatch, sampled_token_ids: list[int]) -> list[Sequence]:
-        """Advance computed counts, cache newly full blocks, append sampled tokens.
+        """The step ran: commit the blocks it filled, advance computed counts, append sampled tokens.
 
         Returns the sequences that received a token, in batch order (stop checks are the
         engine's: they need the tokenizer).
         """
+        self.block_manager.commit()
         sampled = iter(sampled_token_ids)
         got_token = []
         for seq, n, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples):
             seq.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(seq)
             if samples:
                 seq.append_token(next(sampled))
                 got_token.append(seq)

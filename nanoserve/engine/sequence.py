@@ -56,9 +56,6 @@ class Sequence:
         # prompt is computed (see Scheduler._fork_children).
         self.children: list[Sequence] = []
 
-    def __len__(self) -> int:
-        return len(self.token_ids)
-
     def __repr__(self) -> str:
         return (
             f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
