@@ -8,10 +8,10 @@ import torch.nn.functional as F
 
 from helpers import as_fp32_batch, make_paged_batch, naive_paged_attention
 from nanoserve.backends.base import Backend
-from nanoserve.backends.cpu import SKINNY_MAX_ROWS
+from nanoserve.backends.cpu import gemm_unavailable
 from nanoserve.kernels import cpu_attention as ca
 from nanoserve.kernels import cpu_kernels
-from nanoserve.kernels.cpu_gemm import CPUWeight
+from nanoserve.kernels.cpu_gemm import BucketedLinear, OneDNNGemm, PanelGemm, row_bucket
 from nanoserve.layers.context import ModelContext
 from nanoserve.layers.rotary_embedding import RotaryEmbedding
 
@@ -90,20 +90,42 @@ def test_varlen_long_queries_run_sdpa_per_sequence(dtype):
     torch.testing.assert_close(got.double(), naive_paged_attention(as_fp32_batch(b)), atol=ATOL[dtype], rtol=0)
 
 
+def _gemm(path: str, weight: torch.Tensor, bias: torch.Tensor):
+    reason = gemm_unavailable(path, weight.dtype, KERNELS)
+    if reason is not None:
+        pytest.skip(reason)
+    if path == "panel":
+        return PanelGemm(weight, bias, KERNELS)
+    if path == "native":
+        return BucketedLinear(weight, bias)
+    return OneDNNGemm(weight, bias, torch.bfloat16 if path == "onednn-bf16" else torch.float32)
+
+
+@pytest.mark.parametrize("path", ["panel", "onednn-bf16", "onednn-fp32", "native"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 300])  # the skinny kernel's 1-, 2- and 4-row blocks; oneDNN
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 16, 65, 300])  # the panel kernel's 1- to 6-row tiles, row blocks
 @pytest.mark.parametrize("out_features, in_features", [(101, 64), (96, 60)])  # ragged N; K % 8 != 0
-def test_cpu_weight_matches_f32_linear(dtype, rows, out_features, in_features):
+def test_cpu_gemm_paths_match_f64_linear(path, dtype, rows, out_features, in_features):
+    if path == "native" and dtype != torch.float32:
+        pytest.skip("F.linear in bf16/fp16 rounds per its own kernel; the reference below is float32 math")
     g = torch.Generator().manual_seed(rows)
     weight = torch.randn(out_features, in_features, generator=g).to(dtype)
     bias = torch.randn(out_features, generator=g).to(dtype)
     x = torch.randn(rows, in_features, generator=g).to(dtype)
-    got = CPUWeight(weight, bias, KERNELS, SKINNY_MAX_ROWS)(x)
+    got = _gemm(path, weight, bias)(x)
     ref = F.linear(x.double(), weight.double(), bias.double())  # exact products of the rounded inputs
     assert got.dtype == dtype and got.shape == (rows, out_features)
     # Float32 accumulation, then one rounding to dtype: at most one ulp of the output dtype off.
     tol = {torch.float32: 1e-4, torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}[dtype]
     torch.testing.assert_close(got.double(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
+
+
+def test_row_buckets_are_few_and_cover_every_count():
+    buckets = {row_bucket(m) for m in range(1, 8193)}
+    assert len(buckets) <= 7 + 8192 // 64
+    for m in range(1, 8193):
+        b = row_bucket(m)
+        assert b >= m and (b < 2 * m if m <= 64 else b - m < 64)
 
 
 def _bf16_mismatches(got: torch.Tensor, ref: torch.Tensor) -> int:

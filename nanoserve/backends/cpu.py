@@ -1,19 +1,19 @@
-"""The CPU backend: C kernels for attention and the small fused ops, and a GEMM choice per CPU class.
+"""The CPU backend: C kernels for attention and the small fused ops, and a GEMM path per CPU class.
 
-GEMMs. On a CPU without bf16/fp16 dot-product instructions (AVX2 and older: no AVX512-BF16/FP16,
-no AMX) PyTorch's low-precision GEMM falls back to a slow kernel, 5-10x below float32 MKL on the
-same cores (~20 against ~140 GFLOP/s on 2 Zen 3 cores). There, and for float32 models, every
-linear layer runs through a float32 `CPUWeight` (oneDNN-prepacked float32 copy; the skinny C GEMM
-on the bf16 weight for decode-sized batches). Products of bf16 values are exact in float32 and
-both accumulate in float32, so rounding back to bf16 gives a bf16 GEMM's answer up to summation
-order. The float32 copies cost 4 bytes per weight on top of the model. Elsewhere F.linear runs in
-the model's dtype.
+GEMMs (nanoserve/kernels/cpu_gemm.py), chosen once at startup:
+  onednn-bf16  bf16 models on CPUs with bf16 dot products (AVX512-BF16, AMX): oneDNN-prepacked bf16
+  panel        bf16 models elsewhere (AVX2): the C kernel over bf16 weight panels, float32 math.
+               There PyTorch's own bf16 GEMM falls back to a slow kernel, 5-10x below float32.
+  onednn-fp32  float32 models, and fp16 models on CPUs without fp16 math: a prepacked float32 copy
+  native       F.linear in the model's dtype (fp16 models on CPUs with fp16 math)
+Products of bf16 values are exact in float32 and every path accumulates in float32, so rounding to
+bf16 gives a bf16 GEMM's answer up to summation order.
 
 Attention runs the C kernels in float32 whatever the cache dtype; without them (no compiler, or
 switched off) the torch reference runs, widened to float32 where bf16 matmuls are slow.
 
 Switches, read once at startup (`CPUOptions.from_env`):
-  NANOSERVE_CPU_GEMM=auto|fp32|native   float32 GEMMs where bf16 is slow (auto), always, never
+  NANOSERVE_CPU_GEMM=auto|panel|onednn-bf16|onednn-fp32|native   (fp32: onednn-fp32)
   NANOSERVE_CPU_KERNELS=1|0             build and use the C kernels
   NANOSERVE_CPU_ATTENTION=auto|torch    the C attention kernels, or the torch reference
 """
@@ -29,15 +29,12 @@ import torch
 from nanoserve.backends.base import Backend, LinearFn
 from nanoserve.backends.metadata import AttentionMetadata
 from nanoserve.kernels import cpu_attention, cpu_kernels
-from nanoserve.kernels.cpu_gemm import CPUWeight
+from nanoserve.kernels.cpu_gemm import BucketedLinear, OneDNNGemm, PanelGemm
 from nanoserve.kernels.paged_attention import paged_attention_decode_torch, paged_attention_varlen_torch
 
 logger = logging.getLogger(__name__)
 
-# Up to this many rows (a decode batch) a bf16 weight goes through the skinny C GEMM. Measured on
-# 2 AVX2 cores over all of Qwen3-0.6B's weights (28 layers + LM head) against the oneDNN copy:
-# 56 vs 96 ms at 1 row, 131 vs 194 ms at 8, 220 vs 283 ms at 16.
-SKINNY_MAX_ROWS = 16
+GEMM_PATHS = ("panel", "onednn-bf16", "onednn-fp32", "native")
 
 
 @dataclass(frozen=True)
@@ -47,8 +44,8 @@ class CPUOptions:
     attention: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.gemm not in ("auto", "fp32", "native"):
-            raise ValueError(f"NANOSERVE_CPU_GEMM must be auto, fp32 or native, got {self.gemm!r}")
+        if self.gemm not in ("auto", *GEMM_PATHS):
+            raise ValueError(f"NANOSERVE_CPU_GEMM must be one of auto, {', '.join(GEMM_PATHS)}, got {self.gemm!r}")
         if self.attention not in ("auto", "torch"):
             raise ValueError(f"NANOSERVE_CPU_ATTENTION must be auto or torch, got {self.attention!r}")
 
@@ -57,7 +54,8 @@ class CPUOptions:
         kernels = environ.get("NANOSERVE_CPU_KERNELS", "1")
         if kernels not in ("0", "1"):
             raise ValueError(f"NANOSERVE_CPU_KERNELS must be 0 or 1, got {kernels!r}")
-        return cls(environ.get("NANOSERVE_CPU_GEMM", "auto"), kernels == "1",
+        gemm = environ.get("NANOSERVE_CPU_GEMM", "auto")
+        return cls("onednn-fp32" if gemm == "fp32" else gemm, kernels == "1",
                    environ.get("NANOSERVE_CPU_ATTENTION", "auto"))
 
 
@@ -68,6 +66,41 @@ def native_lowp_gemm(dtype: torch.dtype) -> bool:
     if dtype == torch.float16:
         return torch.ops.mkldnn._is_mkldnn_fp16_supported()
     return True
+
+
+def gemm_unavailable(path: str, dtype: torch.dtype, kernels: cpu_kernels.CPUKernels | None) -> str | None:
+    """Why `path` cannot run a `dtype` model on this CPU, or None if it can."""
+    if path == "panel":
+        if dtype != torch.bfloat16:
+            return "the panel GEMM takes bf16 weights"
+        if kernels is None or not kernels.lib.panel_gemm_supported():
+            return "the panel GEMM needs the C kernels built with AVX2 and FMA"
+    if path == "onednn-bf16":
+        if dtype != torch.bfloat16:
+            return "onednn-bf16 takes bf16 weights"
+        if not native_lowp_gemm(torch.bfloat16):
+            return "oneDNN's bf16 GEMM needs AVX512 (BW, VL, DQ) or AVX-NE-CONVERT"
+    if path.startswith("onednn") and not torch.backends.mkldnn.is_available():
+        return "this PyTorch build has no oneDNN"
+    return None
+
+
+def choose_gemm(requested: str, dtype: torch.dtype, kernels: cpu_kernels.CPUKernels | None) -> str:
+    if requested != "auto":
+        reason = gemm_unavailable(requested, dtype, kernels)
+        if reason is not None:
+            raise ValueError(f"NANOSERVE_CPU_GEMM={requested} cannot run here: {reason}")
+        return requested
+    if dtype == torch.bfloat16:
+        candidates = ("onednn-bf16", "panel", "onednn-fp32") if native_lowp_gemm(dtype) else ("panel", "onednn-fp32")
+    elif dtype == torch.float16 and native_lowp_gemm(dtype):
+        candidates = ("native",)
+    else:
+        candidates = ("onednn-fp32", "native")
+    for path in candidates:
+        if gemm_unavailable(path, dtype, kernels) is None:
+            return path
+    return "native"
 
 
 class CPUBackend(Backend):
@@ -81,31 +114,26 @@ class CPUBackend(Backend):
             logger.info("the CPU kernels could not be built: PyTorch paths run instead")
         self.kernels = cpu_kernels.CPUKernels(lib) if lib is not None else None
         self.attention_lib = lib if self.options.attention == "auto" and dtype in cpu_attention.DTYPE_CODES else None
-        lowp = dtype in (torch.bfloat16, torch.float16)
-        if self.options.gemm == "native":
-            self.fp32_gemm = False
-        else:
-            self.fp32_gemm = self.options.gemm == "fp32" or dtype == torch.float32 or not native_lowp_gemm(dtype)
+        self.gemm = choose_gemm(self.options.gemm, dtype, self.kernels)
         # Attention without the C kernels: widen where bf16/fp16 matmuls are slow.
+        lowp = dtype in (torch.bfloat16, torch.float16)
         self.attention_dtype = torch.float32 if lowp and not native_lowp_gemm(dtype) else None
 
     def describe(self) -> dict[str, str]:
-        if self.fp32_gemm:
-            gemm = "oneDNN float32 (prepacked)"
-            if self.kernels is not None and self.dtype == torch.bfloat16:
-                gemm += f" + skinny bf16-weight C GEMM up to {SKINNY_MAX_ROWS} rows"
-        else:
-            gemm = f"F.linear {str(self.dtype).removeprefix('torch.')}"
         attention = "C paged attention" if self.attention_lib is not None else "torch SDPA"
-        return {"backend": self.name, "gemm": gemm, "attention": attention,
+        return {"backend": self.name, "gemm": self.gemm, "attention": attention,
                 "fused ops": "C" if self.kernels is not None else "torch"}
 
     # ---- linear layers ------------------------------------------------------------------------
 
     def prepare_linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearFn:
-        if not self.fp32_gemm:
-            return super().prepare_linear(weight, bias)
-        return CPUWeight(weight, bias, self.kernels, SKINNY_MAX_ROWS)
+        if self.gemm == "panel":
+            return PanelGemm(weight, bias, self.kernels)
+        if self.gemm == "onednn-bf16":
+            return OneDNNGemm(weight, bias, torch.bfloat16)
+        if self.gemm == "onednn-fp32":
+            return OneDNNGemm(weight, bias, torch.float32)
+        return BucketedLinear(weight, bias)
 
     # ---- small ops ----------------------------------------------------------------------------
 

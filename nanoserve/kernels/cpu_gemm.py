@@ -1,13 +1,18 @@
-"""Linear layers on the CPU through a float32 GEMM: a weight prepared once, called every step.
+"""Linear layers on the CPU: weights prepared once, multiplied every step, one class per GEMM path.
 
-`CPUWeight` holds a linear layer's weight as float32, prepacked in oneDNN's blocked layout when
-oneDNN is there (F.linear's MKL call repacks the weight on every call: ~2x slower at 16 rows);
-for bf16 weights it also keeps the bf16 tensor itself for the skinny GEMM of small batches, where
-the weight bytes bound the step and bf16 has half of them. Which layers get one, and up to how
-many rows the skinny GEMM runs, is the CPU backend's choice (nanoserve/backends/cpu.py).
+  PanelGemm    bf16 weights packed in 16-column panels for the C kernel of cpu_kernels.c, which
+               widens them to float32 in registers: float32 math at near the FMA peak for any row
+               count, with half the weight bytes of a float32 copy (the path of CPUs without bf16
+               dot products, AVX2).
+  OneDNNGemm   the weight reordered once into oneDNN's blocked layout, in bf16 (CPUs with bf16 dot
+               products: AVX512-BF16, AMX) or as a float32 copy (float32 models; F.linear's MKL call
+               would repack it on every call).
+  BucketedLinear  plain F.linear in the model's dtype.
 
-The reference is F.linear: both accumulate in float32 and round to the activations' dtype, what a
-native bf16 GEMM computes up to summation order.
+oneDNN keeps state for every distinct row count it sees, so resident memory grows without bound
+when each step has a new token count; the oneDNN and F.linear paths therefore pad the rows to a
+small set of sizes (`row_bucket`). The panel kernel keeps no state. Every path accumulates in
+float32 and rounds to the activations' dtype; the reference is F.linear.
 """
 from __future__ import annotations
 
@@ -16,42 +21,54 @@ import torch.nn.functional as F
 
 from nanoserve.kernels.cpu_kernels import CPUKernels
 
+SMALL_BUCKETS = 64  # up to here, row counts round up to a power of two; past it, to a multiple of 64
 
-class CPUWeight:
-    """x -> x @ weight.T + bias in float32, for activations of any float dtype (widened exactly,
-    result rounded back to their dtype)."""
 
-    def __init__(
-        self,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None = None,
-        kernels: CPUKernels | None = None,  # None: no skinny GEMM
-        skinny_max_rows: int = 0,
-    ) -> None:
-        lowp = weight.detach()
-        # The skinny kernel reads the bf16 weight itself (shares its storage).
-        self.lowp = lowp if kernels is not None and lowp.dtype == torch.bfloat16 and lowp.is_contiguous() else None
+def row_bucket(rows: int) -> int:
+    """The padded row count: at most 2x for small batches, at most 63 extra rows past 64."""
+    if rows <= SMALL_BUCKETS:
+        return 1 << (rows - 1).bit_length()
+    return -(-rows // SMALL_BUCKETS) * SMALL_BUCKETS
+
+
+def _pad_rows(x2: torch.Tensor) -> torch.Tensor:
+    rows = x2.shape[0]
+    padded = row_bucket(rows)
+    return x2 if padded == rows else torch.cat([x2, x2.new_zeros(padded - rows, x2.shape[1])])
+
+
+class PanelGemm:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: CPUKernels) -> None:
         self.kernels = kernels
-        self.skinny_max_rows = skinny_max_rows
-        dense = weight.detach().to(torch.float32).contiguous()
-        self.bias = bias.detach().to(torch.float32).contiguous() if bias is not None else None
-        self.packed = self.dense = None
-        if torch.backends.mkldnn.is_available():
-            try:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(dense, None)
-            except (RuntimeError, AttributeError, NotImplementedError):
-                self.packed = None
-        if self.packed is None:
-            self.dense = dense
+        self.out_features = weight.shape[0]
+        self.panels = kernels.pack_panels(weight.detach())
+        if self.panels is None:
+            raise ValueError("the panel GEMM needs bf16 weights and an AVX2/FMA build of the CPU kernels")
+        self.bias = bias.detach().float().contiguous() if bias is not None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()  # [rows, in]
-        if self.lowp is not None and x2.shape[0] <= self.skinny_max_rows:
-            y = self.kernels.skinny_gemm(x2, self.lowp, self.bias)
-            if y is not None:
-                return y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)
-        if self.packed is not None:
-            y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
-        else:
-            y = F.linear(x2, self.dense, self.bias)
+        x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)  # [rows, in]: exact for bf16 activations
+        y = self.kernels.panel_gemm(x2, self.panels, self.out_features, self.bias)
         return y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)
+
+
+class OneDNNGemm:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, compute_dtype: torch.dtype) -> None:
+        self.compute_dtype = compute_dtype
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(compute_dtype).contiguous(), None)
+        self.bias = bias.detach().to(compute_dtype).contiguous() if bias is not None else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1]).to(self.compute_dtype).contiguous()  # [rows, in]
+        y = torch.ops.mkldnn._linear_pointwise(_pad_rows(x2), self.weight, self.bias, "none", [], "")
+        return y[: x2.shape[0]].view(*x.shape[:-1], y.shape[-1]).to(x.dtype)
+
+
+class BucketedLinear:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight, self.bias = weight, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        y = F.linear(_pad_rows(x2), self.weight, self.bias)
+        return y[: x2.shape[0]].view(*x.shape[:-1], y.shape[-1])

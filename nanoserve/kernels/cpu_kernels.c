@@ -419,17 +419,42 @@ __attribute__((optimize("fp-contract=off"))) void qk_norm_rope_bf16(const uint16
 }
 
 /* ------------------------------------------------------------------------------------------ */
-/* Skinny GEMM with bf16 weights: y[M,N] = x[M,K] . w[N,K]^T (+ bias), x and y float32.       */
-/* For decode-sized M the weight read dominates; bf16 halves it against a float32 copy, and   */
-/* each loaded weight vector is widened in registers and used for every row of x. Weight rows */
-/* are walked once; small blocks of rows x columns keep MB * NB accumulators in registers.    */
+/* Small-M GEMM with bf16 weights: y[M,N] = x[M,K] . w[N,K]^T (+ bias), x and y float32.       */
+/* The weight is packed once into panels of 16 output columns, [N/16][K][16] bf16 (zero-padded */
+/* past N), so at every k one panel row is two contiguous vectors of 8 weights, widened to     */
+/* float32 in registers. Tiles of up to 6 rows x 16 columns keep 12 accumulators and compute   */
+/* outer products: each x value is broadcast once and meets both weight vectors (no horizontal */
+/* sums). 12 FMAs per 2 widened weight vectors and 6 broadcasts keeps the FMA units busy.      */
 
-int skinny_gemm_supported(void) {
+int panel_gemm_supported(void) {
 #if defined(__AVX2__) && defined(__FMA__)
     return 1;
 #else
     return 0;
 #endif
+}
+
+#define PANEL 16
+#ifndef ROW_BLOCK
+#define ROW_BLOCK 96 /* rows of x per pass over the weights: 96 x 3072 floats = 1.1 MB at most */
+#endif
+
+/* w [N, K] bf16 -> panels [ceil(N / 16), K, 16] bf16, padded with zeros. */
+void pack_bf16_panels(const uint16_t *w, int64_t N, int64_t K, uint16_t *panels, int num_threads) {
+    const int64_t num_panels = (N + PANEL - 1) / PANEL;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t p = 0; p < num_panels; p++) {
+        uint16_t *dst = panels + p * K * PANEL;
+        for (int64_t j = 0; j < PANEL; j++) {
+            const int64_t n = p * PANEL + j;
+            if (n < N) {
+                const uint16_t *src = w + n * K;
+                for (int64_t k = 0; k < K; k++) dst[k * PANEL + j] = src[k];
+            } else {
+                for (int64_t k = 0; k < K; k++) dst[k * PANEL + j] = 0;
+            }
+        }
+    }
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -438,66 +463,71 @@ static inline __m256 widen_bf16x8(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-static inline float hsum8(__m256 s) {
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    return _mm_cvtss_f32(h);
+static inline void store_tile_row(float *yr, __m256 lo, __m256 hi, int64_t n0, int64_t nn, const float *bias) {
+    float out[PANEL];
+    _mm256_storeu_ps(out, lo);
+    _mm256_storeu_ps(out + 8, hi);
+    for (int64_t j = 0; j < nn; j++) yr[j] = out[j] + (bias ? bias[n0 + j] : 0.0f);
 }
 
-/* Rows m0 .. m0+mm-1 (mm <= MB) of x against weight rows n0 .. n0+nn-1 (nn <= NB). */
-#define DEFINE_SKINNY_BLOCK(MB, NB)                                                                        \
-    static inline void skinny_block_##MB##x##NB(const float *x, int64_t m0, int64_t mm, int64_t K,          \
-                                                const uint16_t *w, int64_t n0, int64_t nn, int64_t N,       \
-                                                const float *bias, float *y) {                              \
-        const uint16_t *wp[NB];                                                                            \
-        for (int j = 0; j < NB; j++) wp[j] = w + (n0 + (j < nn ? j : 0)) * K;                             \
-        __m256 acc[MB][NB];                                                                                \
-        for (int i = 0; i < MB; i++)                                                                       \
-            for (int j = 0; j < NB; j++) acc[i][j] = _mm256_setzero_ps();                                  \
-        const float *xr = x + m0 * K;                                                                      \
-        for (int64_t k = 0; k < K; k += 8) {                                                               \
-            __m256 wv[NB];                                                                                 \
-            for (int j = 0; j < NB; j++) wv[j] = widen_bf16x8(wp[j] + k);                                 \
-            for (int i = 0; i < MB; i++) {                                                                 \
-                if (i < mm) {                                                                              \
-                    const __m256 xv = _mm256_loadu_ps(xr + i * K + k);                                     \
-                    for (int j = 0; j < NB; j++) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);        \
-                }                                                                                          \
-            }                                                                                              \
-        }                                                                                                  \
-        for (int64_t i = 0; i < mm; i++)                                                                   \
-            for (int64_t j = 0; j < nn; j++)                                                               \
-                y[(m0 + i) * N + n0 + j] = hsum8(acc[i][j]) + (bias ? bias[n0 + j] : 0.0f);                \
+/* Rows m0 .. m0+mb-1 (mb <= 6, a compile-time constant at every call) of x against one panel
+   (output columns n0 .. n0+nn-1). The accumulators are named variables, not an array: GCC keeps
+   an array in memory and stores all of it every iteration, which made the loop store-bound. */
+static inline __attribute__((always_inline)) void panel_tile(const int mb, const float *x, int64_t m0, int64_t K,
+                                                              const uint16_t *panel, int64_t n0, int64_t nn, int64_t N,
+                                                              const float *bias, float *y) {
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+    __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+    const float *x0 = x + m0 * K, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K, *x4 = x3 + K, *x5 = x4 + K;
+    for (int64_t k = 0; k < K; k++) {
+        const __m256 w0 = widen_bf16x8(panel + k * PANEL);
+        const __m256 w1 = widen_bf16x8(panel + k * PANEL + 8);
+        __m256 b = _mm256_broadcast_ss(x0 + k);
+        c00 = _mm256_fmadd_ps(b, w0, c00), c01 = _mm256_fmadd_ps(b, w1, c01);
+        if (mb > 1) b = _mm256_broadcast_ss(x1 + k), c10 = _mm256_fmadd_ps(b, w0, c10), c11 = _mm256_fmadd_ps(b, w1, c11);
+        if (mb > 2) b = _mm256_broadcast_ss(x2 + k), c20 = _mm256_fmadd_ps(b, w0, c20), c21 = _mm256_fmadd_ps(b, w1, c21);
+        if (mb > 3) b = _mm256_broadcast_ss(x3 + k), c30 = _mm256_fmadd_ps(b, w0, c30), c31 = _mm256_fmadd_ps(b, w1, c31);
+        if (mb > 4) b = _mm256_broadcast_ss(x4 + k), c40 = _mm256_fmadd_ps(b, w0, c40), c41 = _mm256_fmadd_ps(b, w1, c41);
+        if (mb > 5) b = _mm256_broadcast_ss(x5 + k), c50 = _mm256_fmadd_ps(b, w0, c50), c51 = _mm256_fmadd_ps(b, w1, c51);
     }
-
-DEFINE_SKINNY_BLOCK(1, 8) /* one row: more weight streams in flight */
-DEFINE_SKINNY_BLOCK(2, 4)
-DEFINE_SKINNY_BLOCK(4, 3) /* 12 accumulators + 3 weight vectors + 1 input vector = 16 registers */
+    float *yr = y + m0 * N + n0;
+    store_tile_row(yr, c00, c01, n0, nn, bias);
+    if (mb > 1) store_tile_row(yr + N, c10, c11, n0, nn, bias);
+    if (mb > 2) store_tile_row(yr + 2 * N, c20, c21, n0, nn, bias);
+    if (mb > 3) store_tile_row(yr + 3 * N, c30, c31, n0, nn, bias);
+    if (mb > 4) store_tile_row(yr + 4 * N, c40, c41, n0, nn, bias);
+    if (mb > 5) store_tile_row(yr + 5 * N, c50, c51, n0, nn, bias);
+}
 #endif
 
-/* Returns 0 on success, 1 if this build has no AVX2/FMA or K is not a multiple of 8. */
-int skinny_gemm_bf16(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, const float *bias,
-                     float *y, int num_threads) {
+/* Returns 0 on success, 1 if this build has no AVX2/FMA. */
+int panel_gemm_bf16(const float *x, int64_t M, int64_t K, const uint16_t *panels, int64_t N, const float *bias,
+                    float *y, int num_threads) {
 #if defined(__AVX2__) && defined(__FMA__)
-    if (K % 8 != 0) return 1;
-    if (M == 1) {
+    const int64_t num_panels = (N + PANEL - 1) / PANEL;
+    /* Blocks of ROW_BLOCK rows of x (they stay in L2) outermost, then panels: one panel (K * 32
+       bytes) stays in L1/L2 while every row tile of the block reads it. */
+    for (int64_t r0 = 0; r0 < M; r0 += ROW_BLOCK) {
+        const int64_t r1 = M - r0 < ROW_BLOCK ? M : r0 + ROW_BLOCK;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-        for (int64_t n0 = 0; n0 < N; n0 += 8) skinny_block_1x8(x, 0, 1, K, w, n0, N - n0 < 8 ? N - n0 : 8, N, bias, y);
-    } else if (M == 2) {
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-        for (int64_t n0 = 0; n0 < N; n0 += 4) skinny_block_2x4(x, 0, 2, K, w, n0, N - n0 < 4 ? N - n0 : 4, N, bias, y);
-    } else {
-        /* Weight rows outermost: three rows (6 KB at K = 1024) stay in L1 for every block of x rows. */
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-        for (int64_t n0 = 0; n0 < N; n0 += 3) {
-            const int64_t nn = N - n0 < 3 ? N - n0 : 3;
-            for (int64_t m0 = 0; m0 < M; m0 += 4) skinny_block_4x3(x, m0, M - m0 < 4 ? M - m0 : 4, K, w, n0, nn, N, bias, y);
+    for (int64_t p = 0; p < num_panels; p++) {
+        const uint16_t *panel = panels + p * K * PANEL;
+        const int64_t n0 = p * PANEL, nn = N - n0 < PANEL ? N - n0 : PANEL;
+        int64_t m0 = r0;
+        for (; m0 + 6 <= r1; m0 += 6) panel_tile(6, x, m0, K, panel, n0, nn, N, bias, y);
+        switch (r1 - m0) {
+            case 5: panel_tile(5, x, m0, K, panel, n0, nn, N, bias, y); break;
+            case 4: panel_tile(4, x, m0, K, panel, n0, nn, N, bias, y); break;
+            case 3: panel_tile(3, x, m0, K, panel, n0, nn, N, bias, y); break;
+            case 2: panel_tile(2, x, m0, K, panel, n0, nn, N, bias, y); break;
+            case 1: panel_tile(1, x, m0, K, panel, n0, nn, N, bias, y); break;
+            default: break;
         }
+    }
     }
     return 0;
 #else
-    (void)x; (void)M; (void)K; (void)w; (void)N; (void)bias; (void)y; (void)num_threads;
+    (void)x; (void)M; (void)K; (void)panels; (void)N; (void)bias; (void)y; (void)num_threads;
     return 1;
 #endif
 }

@@ -6,8 +6,8 @@ the flags and the CPU) and loaded with ctypes; it links the OpenMP runtime torch
 loaded. Where no compiler is found or the build fails, `load()` returns None and the CPU backend
 keeps its PyTorch paths (it also decides whether to load them at all: NANOSERVE_CPU_KERNELS).
 
-`CPUKernels` binds the small fused ops (RMSNorm with residual, q/k norm + RoPE) and the skinny
-bf16 GEMM to a loaded library; attention lives in cpu_attention.py.
+`CPUKernels` binds the small fused ops (RMSNorm with residual, q/k norm + RoPE) and the small-M
+GEMM over packed bf16 weight panels to a loaded library; attention lives in cpu_attention.py.
 """
 from __future__ import annotations
 
@@ -34,10 +34,12 @@ SIGNATURES = {
     "paged_decode_f32": [_P] * 4 + [_I32, _P, _I64, _P] + [_I64] * 7 + [_F, _I32],
     "rms_norm_bf16": [_P] * 5 + [_I64, _I64, _F, _I32],
     "qk_norm_rope_bf16": [_P, _P, _I64] + [_P] * 6 + [_I64] * 4 + [_F, _I32],
-    "skinny_gemm_bf16": [_P, _I64, _I64, _P, _I64, _P, _P, _I32],
-    "skinny_gemm_supported": [],
+    "pack_bf16_panels": [_P, _I64, _I64, _P, _I32],
+    "panel_gemm_bf16": [_P, _I64, _I64, _P, _I64, _P, _P, _I32],
+    "panel_gemm_supported": [],
 }
-RETURNS_INT = ("paged_attention_f32", "paged_decode_f32", "skinny_gemm_bf16", "skinny_gemm_supported")
+RETURNS_INT = ("paged_attention_f32", "paged_decode_f32", "panel_gemm_bf16", "panel_gemm_supported")
+PANEL = 16  # output columns per packed weight panel (cpu_kernels.c)
 
 _lib: ctypes.CDLL | None = None
 _load_attempted = False
@@ -164,21 +166,28 @@ class CPUKernels:
             )
         return q_out, k_out
 
-    def skinny_gemm(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor | None:
-        """x [M, K] float32 @ weight [N, K] bf16 ^T (+ bias float32) -> [M, N] float32, for small M.
+    def pack_panels(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """A bf16 weight [N, K] packed for `panel_gemm` ([ceil(N / 16), K, 16]); None where the
+        build has no AVX2/FMA or the weight is not bf16."""
+        if weight.dtype != torch.bfloat16 or weight.dim() != 2 or not self.lib.panel_gemm_supported():
+            return None
+        n, k = weight.shape
+        weight = weight.contiguous()
+        panels = torch.empty(-(-n // PANEL), k, PANEL, dtype=torch.bfloat16)
+        self.lib.pack_bf16_panels(weight.data_ptr(), n, k, panels.data_ptr(), torch.get_num_threads())
+        return panels
 
-        None where the kernel does not apply (no AVX2 build, K not a multiple of 8, other dtypes)."""
-        if weight.dtype != torch.bfloat16 or x.dtype != torch.float32 or x.dim() != 2:
-            return None
-        if not self.lib.skinny_gemm_supported() or weight.shape[1] % 8 or not weight.is_contiguous():
-            return None
+    def panel_gemm(
+        self, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [M, K] float32 @ (the weight packed in `panels`, [n, K] bf16)^T (+ bias float32) -> [M, n] float32."""
         x = x.contiguous()
-        rows, n = x.shape[0], weight.shape[0]
+        rows = x.shape[0]
         y = torch.empty(rows, n, dtype=torch.float32)
-        with torch.profiler.record_function("nanoserve::cpu_skinny_gemm"):
-            err = self.lib.skinny_gemm_bf16(x.data_ptr(), rows, x.shape[1], weight.data_ptr(), n,
-                                            bias.data_ptr() if bias is not None else None, y.data_ptr(),
-                                            torch.get_num_threads())
-        return None if err else y
+        with torch.profiler.record_function("nanoserve::cpu_panel_gemm"):
+            err = self.lib.panel_gemm_bf16(x.data_ptr(), rows, x.shape[1], panels.data_ptr(), n,
+                                           bias.data_ptr() if bias is not None else None, y.data_ptr(),
+                                           torch.get_num_threads())
+        if err:
+            raise RuntimeError("panel_gemm_bf16 is not available in this build (no AVX2/FMA)")
+        return y
