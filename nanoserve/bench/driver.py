@@ -73,8 +73,8 @@ def drive(llm: LLM, requests: list[Request], params: Callable[[Request], Samplin
             index_of[engine.add_request(requests[i].prompt, params(requests[i]))] = i
 
     def progress_of_first_wave() -> int:
-        return min((produced[i] if i not in outputs else 1 << 30)
-                   for i in range(len(requests)) if requests[i].arrival == 0)
+        return min((produced[i] if i not in outputs else 1 << 30 for i in range(len(requests))
+                    if requests[i].arrival == 0), default=1 << 30)
 
     start = time.perf_counter()
     admit(0)

@@ -121,13 +121,16 @@ class VLLMPeer:
         return [peer_result(self.name, self.requests, result["counts"], result["wall_s"], self.roof)]
 
     def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                self.proc.stdin.write(b"quit\n")
-                self.proc.stdin.close()
-                self.proc.wait(timeout=60)
-            except (BrokenPipeError, subprocess.TimeoutExpired):
-                self._kill()
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                try:
+                    self.proc.stdin.write(b"quit\n")
+                    self.proc.stdin.close()
+                    self.proc.wait(timeout=60)
+                except (BrokenPipeError, subprocess.TimeoutExpired):
+                    pass  # it did not quit cleanly: _kill below stops it
+            self._wait_for_session(grace_s=20)  # vLLM's engine processes shut down after the worker
+            self._kill()
         self.proc = None
         if self._dir is not None:
             self._dir.cleanup()
@@ -167,10 +170,19 @@ class VLLMPeer:
         with open(self.log_path, errors="replace") as f:
             return "".join(f.readlines()[-lines:]).rstrip()
 
+    def _wait_for_session(self, grace_s: float) -> None:
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self.proc.pid, 0)  # signal 0: is any process of the session still there?
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+
     def _kill(self) -> None:
-        """Stop the worker and the engine processes it started (its own session)."""
+        """Stop the worker and the engine processes it started (its own session, started by us)."""
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
+        except ProcessLookupError:  # every process of the session has already exited
             pass
         self.proc.wait()
