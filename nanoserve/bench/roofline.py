@@ -1,0 +1,147 @@
+"""The roofline as a model of the run, measured on this machine in the same run.
+
+Two figures bound every step: the best GEMM FLOP/s at the model's shapes (over every GEMM path
+this machine has) and the weight-streaming bandwidth (model-dtype weight bytes per second through
+a decode-sized GEMM, one row, on a buffer far bigger than any cache). A step cannot take less
+than max(bytes it must read / bandwidth, FLOPs / peak); the run's floor is the sum over its steps.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from nanoserve.bench.model_shape import ModelShape
+
+GemmPath = Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]  # weight -> (x -> x @ w.T)
+
+# The bandwidth buffer: the model's weights up to this size (a 0.6B bf16 model is 1.2 GB);
+# far bigger than any last-level cache, small enough to sit beside the loaded model.
+BANDWIDTH_BUFFER_BYTES = 256 * 2**20
+
+
+def _time_call(fn: Callable[[], object], min_time: float = 0.2) -> float:
+    fn()
+    n, start = 0, time.perf_counter()
+    while True:
+        fn()
+        n += 1
+        elapsed = time.perf_counter() - start
+        if elapsed > min_time and n >= 3:
+            return elapsed / n
+
+
+def _skinny_gemm() -> Callable | None:
+    """nanoserve's C skinny GEMM (bf16 weight, float32 rows), where this nanoserve has one."""
+    try:
+        from nanoserve.kernels import cpu_kernels
+    except ImportError:  # kernels moved or absent: that path is simply not measured
+        return None
+    return getattr(cpu_kernels, "skinny_gemm", None)
+
+
+def _onednn_packed(dtype: torch.dtype) -> GemmPath:
+    def prepare(w: torch.Tensor):
+        packed = torch.ops.mkldnn._reorder_linear_weight(w.to(dtype).contiguous(), None)
+        return lambda x: torch.ops.mkldnn._linear_pointwise(x.to(dtype), packed, None, "none", [], "")
+    return prepare
+
+
+def gemm_paths(dtype: torch.dtype, device: torch.device, rows: int) -> dict[str, GemmPath]:
+    """Every GEMM path worth measuring for `dtype` weights at `rows` rows on `device`."""
+    name = str(dtype).removeprefix("torch.")
+    paths: dict[str, GemmPath] = {f"F.linear {name}": lambda w: (lambda x: F.linear(x, w))}
+    if device.type != "cpu":
+        return paths
+    lowp = dtype in (torch.bfloat16, torch.float16)
+    if lowp:  # CPUs without bf16 dot products run these far faster in float32
+        paths["F.linear float32"] = lambda w: (lambda x, w32=w.float(): F.linear(x.float(), w32))
+    if torch.backends.mkldnn.is_available():
+        paths["oneDNN packed float32"] = _onednn_packed(torch.float32)
+        if dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            paths["oneDNN packed bfloat16"] = _onednn_packed(torch.bfloat16)
+    skinny = _skinny_gemm()
+    if skinny is not None and dtype == torch.bfloat16 and rows <= 16:
+        probe = skinny(torch.zeros(1, 8), torch.zeros(8, 8, dtype=torch.bfloat16))
+        if probe is not None:  # None: the C library did not build here
+            paths["skinny bf16-weight (C)"] = lambda w: (lambda x: skinny(x.float(), w))
+    return paths
+
+
+def _best_of_paths(paths: dict[str, GemmPath], weights: list[torch.Tensor], rows: int, work: float,
+                   device: torch.device) -> dict[str, float]:
+    """work per second (FLOPs or bytes of one pass over `weights`) for each path, best of two."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    dtype = weights[0].dtype
+    out = {}
+    for name, prepare in paths.items():
+        calls = [(prepare(w), torch.randn(rows, w.shape[1], device=device).to(dtype)) for w in weights]
+
+        def one_pass(calls=calls) -> None:
+            for call, x in calls:
+                call(x)
+            sync()
+
+        # Best of two: a peak, so a pass slowed by anything else running must not set it.
+        out[name] = max(work / _time_call(one_pass) for _ in range(2))
+        del calls
+    return out
+
+
+@torch.inference_mode()
+def measure_gemm_peak(shape: ModelShape, dtype: torch.dtype, device: torch.device, rows: int = 256) -> dict:
+    """FLOP/s of one layer's projections at `rows` tokens, per GEMM path; the peak is the best."""
+    weights = [torch.randn(n, k, device=device).to(dtype) for k, n in shape.linear_shapes()]
+    flops = sum(2 * rows * k * n for k, n in shape.linear_shapes())
+    per_path = _best_of_paths(gemm_paths(dtype, device, rows), weights, rows, flops, device)
+    best = max(per_path, key=per_path.get)
+    return {"rows": rows, "per_path_flops": per_path, "best_path": best, "peak_flops": per_path[best]}
+
+
+@torch.inference_mode()
+def measure_weight_bandwidth(shape: ModelShape, dtype: torch.dtype, device: torch.device,
+                             buffer_bytes: int = BANDWIDTH_BUFFER_BYTES) -> dict:
+    """Model-dtype weight bytes per second through a one-row GEMM, per decode path.
+
+    The buffer holds copies of one layer's weights, as many as fit in buffer_bytes (at least
+    one layer, at most the model's layer count). Paths that read a float32 copy of bf16 weights
+    read twice the bytes, and their figure shows it.
+    """
+    layer = [torch.randn(n, k, device=device).to(dtype) for k, n in shape.linear_shapes()]
+    layer_bytes = sum(w.numel() * w.element_size() for w in layer)
+    copies = max(1, min(shape.layers, buffer_bytes // layer_bytes))
+    weights = layer + [w.clone() for _ in range(copies - 1) for w in layer]
+    paths = gemm_paths(dtype, device, rows=1)
+    if dtype != torch.float32:  # float32 copies are not how a bf16 decode should read its weights
+        paths = {k: v for k, v in paths.items() if "float32" not in k}
+    per_path = _best_of_paths(paths, weights, 1, copies * layer_bytes, device)
+    best = max(per_path, key=per_path.get)
+    return {"buffer_bytes": copies * layer_bytes, "per_path_bytes_s": per_path, "best_path": best,
+            "bandwidth": per_path[best]}
+
+
+@dataclass(frozen=True)
+class Roofline:
+    shape: ModelShape
+    itemsize: int  # bytes per weight / KV element (the model dtype)
+    peak_flops: float
+    bandwidth: float  # bytes/s
+
+    def step_floor(self, entries) -> float:
+        cost = self.shape.step_cost(entries, self.itemsize)
+        return max(cost.bytes / self.bandwidth, cost.flops / self.peak_flops)
+
+    def step_bound(self, entries) -> str:
+        cost = self.shape.step_cost(entries, self.itemsize)
+        return "memory" if cost.bytes / self.bandwidth >= cost.flops / self.peak_flops else "compute"
+
+
+def measure_roofline(shape: ModelShape, dtype: torch.dtype, device: torch.device) -> tuple[Roofline, dict]:
+    """Measure both bounds now; returns the model and the figures for the report."""
+    peak = measure_gemm_peak(shape, dtype, device)
+    bandwidth = measure_weight_bandwidth(shape, dtype, device)
+    roof = Roofline(shape, dtype.itemsize, peak["peak_flops"], bandwidth["bandwidth"])
+    return roof, {"gemm_peak": peak, "weight_bandwidth": bandwidth}
