@@ -16,7 +16,7 @@ from nanoserve.bench.cli import main, parse_args
 from nanoserve.bench.driver import drive, sampling_params
 from nanoserve.bench.model_shape import ModelShape
 from nanoserve.bench.peers.vllm import cpu_list, vllm_env
-from nanoserve.bench.workloads import Request, WorkloadSpec, make_requests, one_block_hit_pair
+from nanoserve.bench.workloads import WorkloadSpec, make_requests, one_block_hit_pair
 
 TINY_WORKLOAD = ["--num-seqs", "3", "--input-len", "5", "20", "--output-len", "2", "6", "--dtype", "float32"]
 

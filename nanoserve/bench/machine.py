@@ -79,22 +79,7 @@ def describe_machine(info: dict) -> str:
 
 
 def engine_description(llm) -> dict[str, str]:
-    """What the engine ran: the device backend's own description where it has one
-    (`backend.describe()`), else what today's model runner exposes."""
+    """What the engine ran: the device backend's own description, and the dtype."""
     runner = llm.engine.model_runner
-    backend = getattr(runner, "backend", None)
-    describe = getattr(backend, "describe", None)
-    if callable(describe):
-        return {str(k): str(v) for k, v in describe().items()}
-    model = getattr(runner, "model", None)
-    cpu_gemm = model is not None and any(getattr(m, "cpu_weight", None) is not None for m in model.modules())
-    dtype = str(runner.dtype).removeprefix("torch.")
-    gemm = f"F.linear {dtype}"
-    if cpu_gemm:
-        gemm = "oneDNN packed float32" + (" (> 16 rows), skinny bf16-weight C (<= 16 rows)" if dtype == "bfloat16" else "")
-    return {
-        "backend": llm.engine.device.type,
-        "gemm": gemm,
-        "attention": getattr(backend, "name", type(backend).__name__),
-        "dtype": dtype,
-    }
+    dtype = str(runner.backend.dtype).removeprefix("torch.")
+    return {**{str(k): str(v) for k, v in runner.backend.describe().items()}, "dtype": dtype}

@@ -34,13 +34,16 @@ def _time_call(fn: Callable[[], object], min_time: float = 0.2) -> float:
             return elapsed / n
 
 
-def _skinny_gemm() -> Callable | None:
-    """nanoserve's C skinny GEMM (bf16 weight, float32 rows), where this nanoserve has one."""
-    try:
-        from nanoserve.kernels import cpu_kernels
-    except ImportError:  # kernels moved or absent: that path is simply not measured
+def _panel_gemm() -> GemmPath | None:
+    """nanoserve's C panel GEMM (bf16 weight panels, float32 math), where its library builds."""
+    from nanoserve.kernels import cpu_kernels
+    from nanoserve.kernels.cpu_gemm import PanelGemm
+
+    lib = cpu_kernels.load()
+    if lib is None or not lib.panel_gemm_supported():
         return None
-    return getattr(cpu_kernels, "skinny_gemm", None)
+    kernels = cpu_kernels.CPUKernels(lib)
+    return lambda w: PanelGemm(w, None, kernels)
 
 
 def _onednn_packed(dtype: torch.dtype) -> GemmPath:
@@ -63,11 +66,9 @@ def gemm_paths(dtype: torch.dtype, device: torch.device, rows: int) -> dict[str,
         paths["oneDNN packed float32"] = _onednn_packed(torch.float32)
         if dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
             paths["oneDNN packed bfloat16"] = _onednn_packed(torch.bfloat16)
-    skinny = _skinny_gemm()
-    if skinny is not None and dtype == torch.bfloat16 and rows <= 16:
-        probe = skinny(torch.zeros(1, 8), torch.zeros(8, 8, dtype=torch.bfloat16))
-        if probe is not None:  # None: the C library did not build here
-            paths["skinny bf16-weight (C)"] = lambda w: (lambda x: skinny(x.float(), w))
+    panel = _panel_gemm() if dtype == torch.bfloat16 else None
+    if panel is not None:
+        paths["panel bf16-weight (C)"] = panel
     return paths
 
 
