@@ -31,18 +31,28 @@ def tiny_model(model_dirs) -> str:
 
 
 class HFOracle:
-    """HF transformers' own Qwen3 in float32, with results memoised across tests."""
+    """HF transformers' own model classes (float32 unless asked), with results memoised across tests."""
 
     def __init__(self) -> None:
         self._models = {}
         self._cache = {}
 
-    def model(self, path: str):
+    def model(self, path: str, dtype: torch.dtype = torch.float32):
         from transformers import AutoModelForCausalLM
 
-        if path not in self._models:
-            self._models[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        return self._models[path]
+        if (path, dtype) not in self._models:
+            self._models[path, dtype] = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        return self._models[path, dtype]
+
+    @torch.inference_mode()
+    def greedy_with_gaps(self, path: str, prompt: list[int], max_new_tokens: int, dtype: torch.dtype):
+        """Greedy tokens in `dtype`, and at each step the gap between HF's top-2 logits."""
+        out = self.model(path, dtype).generate(
+            torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+            eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+        )
+        gaps = [float(top[0] - top[1]) for top in (s[0].float().topk(2).values for s in out.logits)]
+        return out.sequences[0, len(prompt):].tolist(), gaps
 
     @torch.inference_mode()
     def greedy(self, path: str, prompt: list[int], max_new_tokens: int) -> list[int]:

@@ -173,3 +173,10 @@ def test_moe_layer_matches_hf_block_including_routing_ties(renormalize, backend_
     at_the_cut = (router_probs[:, 1] == second) & (second == third)  # only one of experts 1 and 4 gets in
     assert at_the_cut.any(), "no token has the tie at the top-k boundary"
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_every_layer_reads_one_rope_table(arch_dirs):
+    """One cos/sin table per model (~21 MB per layer for Qwen3 at 40960 positions if each had its own)."""
+    llm = make_llm(arch_dirs["llama3"], num_kvcache_blocks=16, max_model_len=128)
+    tables = {layer.self_attn.rotary_emb.cos_sin.data_ptr() for layer in llm.engine.model_runner.model.model.layers}
+    assert len(tables) == 1
