@@ -436,7 +436,7 @@ int panel_gemm_supported(void) {
 
 #define PANEL 16
 #ifndef ROW_BLOCK
-#define ROW_BLOCK 96 /* rows of x per pass over the weights: 96 x 3072 floats = 1.1 MB at most */
+#define ROW_BLOCK 256 /* rows of x per pass over the weights (measured best of 48-512 on 2 Zen 3 cores) */
 #endif
 
 /* w [N, K] bf16 -> panels [ceil(N / 16), K, 16] bf16, padded with zeros. */
