@@ -134,20 +134,10 @@ def build_tiny_checkpoint(
 
 
 def build_tiny_qwen3(
-    path: str | os.PathLike,
-    seed: int = 0,
-    dtype: str | None = None,
-    shard_size_bytes: int | None = None,
-    *,
-    generation_config: dict | None = None,
-    tokenizer_vocab_size: int = DEFAULT_TOKENIZER_VOCAB_SIZE,
-    **config_overrides,
+    path: str | os.PathLike, seed: int = 0, dtype: str | None = None, shard_size_bytes: int | None = None, **kwargs
 ) -> str:
     """build_tiny_checkpoint for Qwen3ForCausalLM (TINY_QWEN3, or e.g. `**QWEN3_0_6B`)."""
-    return build_tiny_checkpoint(
-        path, "qwen3", seed, dtype, shard_size_bytes, generation_config=generation_config,
-        tokenizer_vocab_size=tokenizer_vocab_size, **config_overrides,
-    )
+    return build_tiny_checkpoint(path, "qwen3", seed, dtype, shard_size_bytes, **kwargs)
 
 
 def count_parameters(
