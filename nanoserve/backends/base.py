@@ -47,6 +47,11 @@ class Backend:
         """Called once per linear layer after its weights are loaded; returns x -> x @ weight.T + bias."""
         return partial(F.linear, weight=weight, bias=bias)
 
+    def prepare_logits(self, weight: torch.Tensor) -> LinearFn:
+        """The LM head: hidden states -> float32 logits (what the sampler works in)."""
+        gemm = self.prepare_linear(weight, None)
+        return lambda x: gemm(x).float()
+
     def prepare_moe(self, w13: torch.Tensor, w2: torch.Tensor) -> MoEFn:
         """Called once per MoE layer after loading: the experts as grouped GEMMs, each expert's
         weights prepared like any linear layer's (w13 [E, 2 * inter, hidden], w2 [E, hidden, inter])."""

@@ -135,6 +135,11 @@ class CPUBackend(Backend):
             return OneDNNGemm(weight, bias, torch.float32)
         return BucketedLinear(weight, bias)
 
+    def prepare_logits(self, weight: torch.Tensor) -> LinearFn:
+        if self.gemm == "panel":  # its float32 result as it is: no rounding to bf16 and back
+            return PanelGemm(weight, None, self.kernels, out_dtype=torch.float32)
+        return super().prepare_logits(weight)
+
     # ---- small ops ----------------------------------------------------------------------------
 
     def rms_norm(self, x, weight, eps, residual=None):

@@ -38,8 +38,12 @@ def _pad_rows(x2: torch.Tensor) -> torch.Tensor:
 
 
 class PanelGemm:
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: CPUKernels) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: CPUKernels, out_dtype: torch.dtype | None = None
+    ) -> None:
+        """out_dtype: the result's dtype (None: the activations')."""
         self.kernels = kernels
+        self.out_dtype = out_dtype
         self.out_features = weight.shape[0]
         self.panels = kernels.pack_panels(weight.detach())
         if self.panels is None:
@@ -49,7 +53,7 @@ class PanelGemm:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)  # [rows, in]: exact for bf16 activations
         y = self.kernels.panel_gemm(x2, self.panels, self.out_features, self.bias)
-        return y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)
+        return y.view(*x.shape[:-1], y.shape[-1]).to(self.out_dtype or x.dtype)
 
 
 class OneDNNGemm:

@@ -41,9 +41,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.gemm = weights_not_loaded
 
     def process_weights_after_loading(self) -> None:
-        self.gemm = self.backend.prepare_linear(self.weight, None)
+        self.gemm = self.backend.prepare_logits(self.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Logits for the rows given ([num_rows, vocab]) on rank 0; None on other ranks."""
+        """float32 logits for the rows given ([num_rows, vocab]) on rank 0; None on other ranks."""
         logits = self.tp.gather_last_dim_to_rank0(self.gemm(hidden))  # [num_rows, vocab (padded)]
         return logits[:, : self.vocab_size] if logits is not None else None
