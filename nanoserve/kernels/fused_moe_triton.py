@@ -27,7 +27,8 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
     the used blocks). Sizes are upper bounds known on the host: no device -> host sync."""
     flat = topk_ids.flatten()  # [num_entries]
     num_entries = flat.numel()
-    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    # [E] entries per expert; not bincount, which sizes its output from the ids' max (a host sync on CUDA)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)  # [E] end of each expert's padded run
     order = flat.argsort(stable=True)  # entries sorted by expert
