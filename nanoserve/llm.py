@@ -87,12 +87,11 @@ class LLM:
         params = self._params_per_prompt(sampling_params, len(token_prompts))
         _check_priority(priority, len(token_prompts))
         _check_lora_list(lora_request, len(token_prompts))
-        for (_, ids), p in zip(token_prompts, params):
-            self.engine.validate_request(ids, p)
-        if not self.engine.is_finished():
-            raise RuntimeError("generate() called while another generate() is running on this LLM")
-        request_ids = [self.engine.add_request(ids, p, text) for (text, ids), p in zip(token_prompts, params)]
-        outputs = self._run_engine(use_tqdm)
+        specs = [self.engine.validate_request(ids, p) for (_, ids), p in zip(token_prompts, params)]
+        with self.engine.exclusive("generate()"):
+            request_ids = [self.engine.add_request(ids, p, text, spec)
+                           for (text, ids), p, spec in zip(token_prompts, params, specs)]
+            outputs = self._run_engine(use_tqdm)
         return [outputs[rid] for rid in request_ids]
 
     def generate_stream(

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, fields
 
 
@@ -103,6 +104,9 @@ class SamplingParams:
 
         if self.n < 1:
             raise bad("n", ">= 1")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):  # NaN passes every comparison below
+                raise bad(name, "a finite number")
         if self.temperature < 0.0:
             raise bad("temperature", ">= 0")
         if not 0.0 < self.top_p <= 1.0:

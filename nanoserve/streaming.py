@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from nanoserve.inputs import parse_prompt
 from nanoserve.outputs import RequestOutput
+from nanoserve.sampling import SamplingSpec
 from nanoserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -47,6 +48,7 @@ class EngineRequest(NamedTuple):
 
     prompt_token_ids: list[int]
     params: SamplingParams
+    spec: SamplingSpec  # what LLMEngine.validate_request returned
     prompt: str | None = None
 
 
@@ -68,10 +70,12 @@ def stream_requests(
     the requests in flight are finished and yielded first, then the error is raised. Closing
     the generator early aborts what is in flight and frees its KV blocks.
     """
-    if not engine.is_finished():
-        raise RuntimeError("a stream was started while another generate() is running on this LLM")
-    items = iter(items)
-    inflight: dict[str, K] = {}  # engine request id -> caller's key
+    with engine.exclusive("a generate_stream() stream"):
+        yield from _stream(engine, iter(items), max_inflight, on_step)
+
+
+def _stream(engine, items, max_inflight, on_step):
+    inflight: dict = {}  # engine request id -> caller's key
     exhausted = False
     input_error: Exception | None = None
     try:
@@ -87,7 +91,8 @@ def stream_requests(
                     if isinstance(request, RequestError):
                         yield key, request
                     else:
-                        request_id = engine.add_request(request.prompt_token_ids, request.params, request.prompt)
+                        request_id = engine.add_request(request.prompt_token_ids, request.params, request.prompt,
+                                                        request.spec)
                         inflight[request_id] = key
             if not inflight:
                 break
@@ -162,10 +167,10 @@ def _prepare_one(llm: LLM, i: int, prompt: Any, params: Any) -> EngineRequest | 
         text, token_ids = parse_prompt(prompt, i)
         if token_ids is None:
             token_ids = llm.get_tokenizer().encode(text)
-        llm.engine.validate_request(token_ids, params)
+        spec = llm.engine.validate_request(token_ids, params)
     except (ValueError, TypeError) as e:
         return RequestError(str(e), type(e))
-    return EngineRequest(token_ids, params, text)
+    return EngineRequest(token_ids, params, spec, text)
 
 
 def _with_progress(results: Iterator, total: int | None, use_tqdm: bool) -> Iterator:

@@ -131,6 +131,9 @@ def test_bad_request_for_this_model_fails_before_any_work(llm, make_params, matc
     [
         (dict(max_tokens=0), "max_tokens"),
         (dict(temperature=-1), "temperature"),
+        (dict(temperature=float("nan")), "temperature must be a finite number"),
+        (dict(temperature=float("inf")), "temperature must be a finite number"),
+        (dict(top_p=float("nan")), "top_p must be a finite number"),
         (dict(top_p=0), "top_p"),
         (dict(top_k=-2), "top_k"),
         (dict(min_p=1.5), "min_p"),

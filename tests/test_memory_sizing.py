@@ -159,3 +159,4 @@ def test_close_releases_the_model_and_cache(tiny_model):
     assert runner.model is None and runner.kv_cache.numel() == 0
     with pytest.raises(RuntimeError, match="closed"):
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.close()  # again, as `with LLM(...)` does after an explicit close()

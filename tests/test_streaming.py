@@ -172,3 +172,18 @@ def test_abort_request_frees_running_waiting_and_unforked_samples(llm):
         finished += [o.request_id for o in engine.step().finished]
     assert sorted(finished) == sorted(ids[1::2])
     assert_no_leak(llm)
+
+
+def test_a_second_caller_is_refused_while_a_stream_holds_the_engine(llm):
+    prompts = random_prompts(3, 3, 9, seed=91)
+    first = llm.generate_stream(prompts, GREEDY, use_tqdm=False)
+    got = [next(first)]  # suspended, with requests in flight
+    with pytest.raises(RuntimeError, match="generate\\(\\) was started while a generate_stream\\(\\) stream is running"):
+        llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+    second = llm.generate_stream(prompts[:1], GREEDY, use_tqdm=False)
+    with pytest.raises(RuntimeError, match="is running on this LLM"):
+        next(second)
+    got += list(first)  # the first stream still gets every one of its results
+    assert sorted(i for i, _ in got) == [0, 1, 2]
+    assert len(llm.generate(prompts[:1], GREEDY, use_tqdm=False)) == 1
+    assert_no_leak(llm)

@@ -187,7 +187,9 @@ def test_worker_exception_reaches_the_parent_with_its_traceback(tiny_model):
     llm = make_llm(tiny_model)
     runner = llm.engine.model_runner
     (pid,) = runner.worker_pids
-    runner._workers.broadcast("no-such-message", None)  # the worker raises on it, then exits
+    from nanoserve.distributed.channel import encode_message
+
+    runner._workers.broadcast(encode_message("no-such-message"))  # the worker raises on it, then exits
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="(?s)worker rank 1 failed.*Traceback.*unknown message"):
         llm.generate(random_prompts(2, 3, 9), GREEDY, use_tqdm=False)

@@ -17,7 +17,7 @@ import torch
 
 from nanoserve.config import Config
 from nanoserve.distributed import process_group
-from nanoserve.distributed.channel import pack
+from nanoserve.distributed.channel import encode_message, pack
 from nanoserve.distributed.group import TPGroup
 from nanoserve.distributed.worker import agree_num_kvcache_blocks
 from nanoserve.distributed.workers import Workers
@@ -92,9 +92,9 @@ class TPModelRunner:
     # ---- a step -------------------------------------------------------------------------------
 
     def run(self, batch: ScheduledBatch) -> StepOutput:
-        runner = self.rank0
         if self._broken:
             raise RuntimeError(f"the tensor-parallel engine is unusable: {self._broken}")
+        runner = self.rank0
         try:
             self._workers.check_alive()
         except RuntimeError:
@@ -102,10 +102,11 @@ class TPModelRunner:
             raise
         with process_group.torch_threads(self.num_threads):
             inputs = runner.prepare_inputs(batch)
+            message = encode_message("step", pack(inputs))  # too big: refused before any rank moves
             try:
-                self._workers.broadcast("step", pack(inputs))
+                self._workers.broadcast(message)
                 logits = runner.execute(inputs)
-            except Exception as exc:
+            except BaseException as exc:  # Ctrl-C too: the workers may be inside a collective
                 self._fail(exc)
                 raise
             return runner.sample(batch, logits)  # rank 0 alone: a failure here leaves the ranks in step

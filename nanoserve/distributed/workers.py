@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 
 from nanoserve.config import Config
 from nanoserve.distributed import process_group
-from nanoserve.distributed.channel import encode_message, recv_message, send_message
+from nanoserve.distributed.channel import recv_message, send_message
 from nanoserve.distributed.worker import worker_main
 
 STARTUP_TIMEOUT_S = 900.0  # building a worker's model (loading its shard) must finish in this
@@ -115,8 +115,8 @@ class Workers:
             if conn.poll(0):
                 self._recv(i)  # only an error (or EOF) arrives unasked: raises
 
-    def broadcast(self, kind: str, payload: Any) -> None:
-        data = encode_message(kind, payload)
+    def broadcast(self, data: bytes) -> None:
+        """Send one encoded message (channel.encode_message) to every worker."""
         for i, conn in enumerate(self.conns):
             try:
                 conn.send_bytes(data)

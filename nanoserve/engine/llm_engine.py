@@ -5,6 +5,8 @@ import json
 import os
 import random
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -94,6 +96,7 @@ class LLMEngine:
         self._next_request_id = 0
         self._next_seq_id = 0
         self.requests: dict[str, Request] = {}
+        self._user: str | None = None  # who holds the engine (see exclusive)
 
     def _make_runner(self) -> ModelRunner:
         if self.config.tensor_parallel_size > 1:
@@ -142,8 +145,13 @@ class LLMEngine:
             )
         return SamplingSpec.from_params(params, self.vocab_size, self.eos_token_ids)
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None) -> str:
-        spec = self.validate_request(prompt_token_ids, params)
+    def add_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
+        spec: SamplingSpec | None = None,
+    ) -> str:
+        """Queue a request. `spec`: what validate_request returned for it (None: validate now)."""
+        if spec is None:
+            spec = self.validate_request(prompt_token_ids, params)
         request_id = str(self._next_request_id)
         self._next_request_id += 1
         limit = max(self.config.max_model_len, len(prompt_token_ids) + 1)
@@ -173,6 +181,18 @@ class LLMEngine:
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
+
+    @contextmanager
+    def exclusive(self, user: str) -> Iterator[None]:
+        """Hold the engine for one caller at a time (a generate() call, a stream for its lifetime):
+        two callers stepping one engine would take each other's results."""
+        if self._user is not None:
+            raise RuntimeError(f"{user} was started while {self._user} is running on this LLM; finish or close it first")
+        self._user = user
+        try:
+            yield
+        finally:
+            self._user = None
 
     def step(self) -> StepStats:
         batch = self.scheduler.schedule()

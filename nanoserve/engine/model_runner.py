@@ -173,9 +173,12 @@ class ModelRunner:
         self.resize_kv_cache(0)
 
     def close(self) -> None:
-        """Release the model, the KV cache and the CUDA graphs (a second engine gets their memory)."""
+        """Release the model, the KV cache and the CUDA graphs (a second engine gets their memory). Idempotent."""
+        if self.model is None:
+            return
         self._cuda_graphs = None
-        self.resize_kv_cache(0)
+        for attn in self.attention_layers:
+            attn.k_cache = attn.v_cache = torch.empty(0)
         self.model = self.forward = None
         self.attention_layers = []
         self.kv_cache = torch.empty(0)
@@ -209,10 +212,11 @@ class ModelRunner:
         if not cuda_graph.is_decode_only(inputs):
             return None
         if self._cuda_graphs is None:
-            self._cuda_graphs = cuda_graph.CUDAGraphRunner(
+            graphs = cuda_graph.CUDAGraphRunner(
                 self.forward, self.config.max_num_seqs, self.config.max_model_len, self.block_size, self.device
             )
-            self._cuda_graphs.capture()
+            graphs.capture()  # kept only when every bucket was captured: never replay a partial capture
+            self._cuda_graphs = graphs
         return self._cuda_graphs if self._cuda_graphs.can_run(inputs) else None
 
     @torch.inference_mode()

@@ -106,8 +106,7 @@ class RequestBuilder:
         chat = url == CHAT_URL
         token_ids = self._chat_prompt(body) if chat else self._completion_prompt(body)
         params = self._sampling_params(body, chat, len(token_ids))
-        self.llm.engine.validate_request(token_ids, params)
-        return EngineRequest(token_ids, params)
+        return EngineRequest(token_ids, params, self.llm.engine.validate_request(token_ids, params))
 
     # ---- prompts ---------------------------------------------------------------------------
 
