@@ -4,6 +4,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from jinja2.exceptions import TemplateError
+
 CONTENT_FORMATS = ("auto", "string", "openai")
 
 
@@ -50,7 +52,10 @@ def render_conversations(
         )
     fmt = "string" if chat_template_content_format == "auto" else chat_template_content_format
     normalised = [[_message(m, fmt, c, i) for i, m in enumerate(conv)] for c, conv in enumerate(conversations)]
-    return [tokenizer.apply_chat_template(conv, tokenize=False, **options) for conv in normalised]
+    try:
+        return [tokenizer.apply_chat_template(conv, tokenize=False, **options) for conv in normalised]
+    except TemplateError as e:  # e.g. the template's own raise_exception on a bad conversation
+        raise ValueError(f"the chat template rejected the conversation: {e}") from None
 
 
 def as_conversations(messages) -> list[list[dict]]:
@@ -90,6 +95,6 @@ def _text_part(part, c: int, i: int) -> str:
         return part["text"]
     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
     raise ValueError(
-        f"conversation {c}, message {i}: content part of type {kind!r} is not supported; "
-        "nanoserve takes text only ({'type': 'text', 'text': ...}), it has no multimodal input"
+        f"conversation {c}, message {i}: content part of type {kind!r} is not supported; only text parts "
+        "({'type': 'text', 'text': ...}) are: nanoserve has no multimodal input"
     )

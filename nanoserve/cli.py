@@ -16,7 +16,8 @@ _SCALARS: dict[str, Callable[[str], object]] = {"int": int, "float": float, "str
 
 def _value_parser(annotation: str) -> Callable[[str], object] | None:
     """The argparse type for a field's annotation string; None for a bool (an on/off flag)."""
-    parts = [p.strip() for p in annotation.split("|") if p.strip() != "None"]
+    # `type` in a union is a Python-only alternative (e.g. attention_backend: a name or a Backend class).
+    parts = [p.strip() for p in annotation.split("|") if p.strip() not in ("None", "type")]
     if parts == ["bool"]:
         return None
     if len(parts) == 1 and parts[0] in _SCALARS:

@@ -20,11 +20,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from jinja2.exceptions import TemplateError
-
+from nanoserve.chat import render_conversations
 from nanoserve.llm import LLM
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.streaming import RequestError
+from nanoserve.streaming import RequestError, default_max_inflight, prepare_request, stream_requests
 
 OUTPUT_COLUMNS = ("generated_text", "generated_tokens", "num_generated_tokens", "num_input_tokens", "finish_reason")
 ERROR_COLUMN = "__inference_error__"  # Ray's name, for rows kept with should_continue_on_error
@@ -65,20 +64,18 @@ class LLMPredictor:
     def __call__(self, batch: Mapping[str, Any]) -> dict[str, list]:
         columns = {name: list(values) for name, values in dict(batch).items()}  # pandas or numpy batches
         num_rows = len(next(iter(columns.values()), []))
-        results: dict[int, Any] = {}
-        requests = {}
+        items = []  # a batch is small: every row is prepared (tokenized, validated) before any generation
         for i in range(num_rows):
             row = {name: values[i] for name, values in columns.items()}
             try:
-                requests[i] = (self._prompt(row), self._params(row))
+                request = prepare_request(self.llm, i, self._prompt(row), self._params(row))
             except (TypeError, ValueError) as e:
-                results[i] = RequestError(str(e), type(e))
-        order = list(requests)  # generate_stream numbers the rows it is given 0.., in this order
-        stream = self.llm.generate_stream(
-            [requests[i][0] for i in order], [requests[i][1] for i in order], use_tqdm=False
-        )
-        for k, result in stream:
-            results[order[k]] = result
+                request = RequestError(str(e), type(e))
+            if isinstance(request, RequestError) and not self.should_continue_on_error:
+                raise request.error_type(f"row {i} of the batch: {request.message}")
+            items.append((i, request))
+        window = default_max_inflight(self.llm.config.max_num_seqs)
+        results = dict(stream_requests(self.llm.engine, items, window))
         return {**columns, **self._output_columns([results[i] for i in range(num_rows)])}
 
     def _output_columns(self, results: list) -> dict[str, list]:
@@ -86,8 +83,6 @@ class LLMPredictor:
         errors = []
         for i, result in enumerate(results):
             if isinstance(result, RequestError):
-                if not self.should_continue_on_error:
-                    raise result.error_type(f"row {i} of the batch: {result.message}")
                 values = ("", [], 0, 0, None)
                 errors.append(f"{result.error_type.__name__}: {result.message}")
             else:
@@ -108,12 +103,7 @@ class LLMPredictor:
             if row.get("prompt") is None:
                 raise ValueError("a row needs a `prompt` (text or token ids) or `messages` column")
             return _plain(row["prompt"])
-        try:
-            text = self.llm.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, **self.chat_template_kwargs
-            )
-        except TemplateError as e:
-            raise ValueError(f"the chat template rejected `messages`: {e}") from None
+        (text,) = render_conversations(self.llm.tokenizer, [messages], chat_template_kwargs=self.chat_template_kwargs)
         return {"prompt_token_ids": self.llm.tokenizer.encode(text, add_special_tokens=False)}
 
     def _params(self, row: dict) -> SamplingParams:

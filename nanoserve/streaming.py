@@ -154,12 +154,12 @@ def _prepare(llm: LLM, prompts: Iterable[Any], params: Iterator[Any], lockstep: 
         if p is _MISSING:
             yield i, RequestError(f"sampling_params ran out at prompt {i}; pass one, or one per prompt")
         else:
-            yield i, _prepare_one(llm, i, prompt, p)
+            yield i, prepare_request(llm, i, prompt, p)
     if lockstep and next(params, _MISSING) is not _MISSING:
         raise ValueError("sampling_params has more entries than prompts; pass one, or one per prompt")
 
 
-def _prepare_one(llm: LLM, i: int, prompt: Any, params: Any) -> EngineRequest | RequestError:
+def prepare_request(llm: LLM, i: int, prompt: Any, params: Any) -> EngineRequest | RequestError:
     """Tokenize and validate one prompt exactly as `generate` does, turning its error into a result."""
     try:
         if not isinstance(params, SamplingParams):

@@ -195,10 +195,11 @@ def test_every_llm_option_is_a_flag():
     args = ["run-batch", "-i", "in", "-o", "out", "--model", "m"]
     assert engine_kwargs(build_parser().parse_args(args)) == {}  # unset flags leave LLM's defaults
     flags = {"max_model_len": "--max-model-len=77", "enable_prefix_caching": "--no-enable-prefix-caching",
-             "gpu_memory_utilization": "--gpu-memory-utilization=0.5", "dtype": "--dtype=float32"}
+             "gpu_memory_utilization": "--gpu-memory-utilization=0.5", "dtype": "--dtype=float32",
+             "attention_backend": "--attention-backend=triton"}
     parsed = engine_kwargs(build_parser().parse_args(args + list(flags.values())))
     assert parsed == {"max_model_len": 77, "enable_prefix_caching": False, "gpu_memory_utilization": 0.5,
-                      "dtype": "float32"}
+                      "dtype": "float32", "attention_backend": "triton"}
     for f in fields(Config):  # each field, set alone, reaches LLM's kwargs
         if f.name in Config.field_names():
             flag = "--" + f.name.replace("_", "-") + ("" if f.type in ("bool", bool) else "=1")

@@ -107,7 +107,7 @@ def prefix_hit_probe(llm: LLM, requests: list[Request], args: argparse.Namespace
     if not llm.config.enable_prefix_caching:
         print("\nprefix-hit probe skipped: prefix caching is off")
         return {"skipped": "prefix caching is off"}
-    block = llm.config.kvcache_block_size
+    block = llm.engine.block_size  # the config's, or the backend's preferred size
     cold, hit = one_block_hit_pair(requests[0].prompt, block, llm.engine.vocab_size, args.seed + 2)
     llm.reset_prefix_cache()
     out = {}

@@ -13,9 +13,9 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from jinja2.exceptions import TemplateError
 
 from nanoserve.llm import LLM
+from nanoserve.chat import render_conversations
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.streaming import EngineRequest
 
@@ -111,23 +111,14 @@ class RequestBuilder:
     # ---- prompts ---------------------------------------------------------------------------
 
     def _chat_prompt(self, body: dict) -> list[int]:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ValueError("`messages` must be a non-empty list of {'role', 'content'} objects")
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise TypeError(f"`chat_template_kwargs` must be an object, got {type(kwargs).__name__}")
         continue_final = _flag(body, "continue_final_message", False)
-        add_generation_prompt = _flag(body, "add_generation_prompt", not continue_final)
-        if continue_final and add_generation_prompt:
-            raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
-        try:
-            text = self.llm.tokenizer.apply_chat_template(
-                [_text_message(i, m) for i, m in enumerate(messages)], tokenize=False,
-                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final, **kwargs,
-            )
-        except TemplateError as e:
-            raise ValueError(f"the chat template rejected `messages`: {e}") from None
+        (text,) = render_conversations(
+            self.llm.tokenizer, [body.get("messages")], continue_final_message=continue_final,
+            add_generation_prompt=_flag(body, "add_generation_prompt", not continue_final), chat_template_kwargs=kwargs,
+        )
         return self.llm.tokenizer.encode(text, add_special_tokens=_flag(body, "add_special_tokens", False))
 
     def _completion_prompt(self, body: dict) -> list[int]:
@@ -192,20 +183,3 @@ def _flag(body: dict, name: str, default: bool) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"`{name}` must be true or false, got {value!r}")
     return value
-
-
-def _text_message(i: int, message: Any) -> dict:
-    """A message with its content as one string: text parts are joined with newlines, as vLLM does."""
-    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-        raise ValueError(f"messages[{i}] must be an object with a string `role`, got {message!r:.80}")
-    content = message.get("content")
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(f"messages[{i}].content: only text parts are supported, got {part!r:.80}")
-            texts.append(part["text"])
-        content = "\n".join(texts)
-    elif content is not None and not isinstance(content, str):
-        raise TypeError(f"messages[{i}].content must be a string or a list of text parts, got {content!r:.80}")
-    return {**message, "content": content}
