@@ -47,12 +47,7 @@ EXTRA_PROMPT_KEYS = tuple(_PromptExtras.__annotations__)
 
 def parse_prompts(prompts) -> list[tuple[str | None, list[int] | None]]:
     """Any accepted `prompts` -> one (text, token ids) pair per prompt; one of the two may be None."""
-    return [_parse_one(p, i) for i, p in enumerate(_as_prompt_list(prompts))]
-
-
-def parse_prompt(prompt, i: int) -> tuple[str | None, list[int] | None]:
-    """One prompt (number i, for error messages) -> (text, token ids); one of the two may be None."""
-    return _parse_one(prompt, i)
+    return [parse_prompt(p, i) for i, p in enumerate(_as_prompt_list(prompts))]
 
 
 def _is_token_id(x) -> bool:
@@ -71,7 +66,8 @@ def _as_prompt_list(prompts) -> list:
     return list(prompts)
 
 
-def _parse_one(prompt, i: int) -> tuple[str | None, list[int] | None]:
+def parse_prompt(prompt, i: int) -> tuple[str | None, list[int] | None]:
+    """One prompt (number i, for error messages) -> (text, token ids); one of the two may be None."""
     if isinstance(prompt, dict):
         return _parse_dict(prompt, i)
     if isinstance(prompt, str):

@@ -127,18 +127,19 @@ class CPUBackend(Backend):
     # ---- linear layers ------------------------------------------------------------------------
 
     def prepare_linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearFn:
-        if self.gemm == "panel":
-            return PanelGemm(weight, bias, self.kernels)
-        if self.gemm == "onednn-bf16":
-            return OneDNNGemm(weight, bias, torch.bfloat16)
-        if self.gemm == "onednn-fp32":
-            return OneDNNGemm(weight, bias, torch.float32)
-        return BucketedLinear(weight, bias)
+        return self._gemm(weight, bias, None)
 
     def prepare_logits(self, weight: torch.Tensor) -> LinearFn:
-        if self.gemm == "panel":  # its float32 result as it is: no rounding to bf16 and back
-            return PanelGemm(weight, None, self.kernels, out_dtype=torch.float32)
-        return super().prepare_logits(weight)
+        return self._gemm(weight, None, torch.float32)  # each path's float32 result, not rounded and widened
+
+    def _gemm(self, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None) -> LinearFn:
+        if self.gemm == "panel":
+            return PanelGemm(weight, bias, self.kernels, out_dtype)
+        if self.gemm == "onednn-bf16":
+            return OneDNNGemm(weight, bias, torch.bfloat16, out_dtype)
+        if self.gemm == "onednn-fp32":
+            return OneDNNGemm(weight, bias, torch.float32, out_dtype)
+        return BucketedLinear(weight, bias, out_dtype)
 
     # ---- small ops ----------------------------------------------------------------------------
 

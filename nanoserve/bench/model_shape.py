@@ -11,6 +11,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from nanoserve.models import head_dim_of
+from nanoserve.models.qwen3_moe import is_sparse_layer, num_experts_of
+
 
 class StepCost(NamedTuple):
     flops: float
@@ -35,16 +38,12 @@ class ModelShape:
     def from_hf(cls, cfg: dict) -> "ModelShape":
         heads = cfg["num_attention_heads"]
         layers = cfg["num_hidden_layers"]
-        experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
-        moe_layers = 0
-        if experts:  # Qwen3-MoE's rule for which layers route to experts
-            step = cfg.get("decoder_sparse_step") or 1
-            dense_only = set(cfg.get("mlp_only_layers") or [])
-            moe_layers = sum(1 for i in range(layers) if i not in dense_only and (i + 1) % step == 0)
+        experts = num_experts_of(cfg)
+        moe_layers = sum(is_sparse_layer(cfg, i) for i in range(layers))
         return cls(
             hidden=cfg["hidden_size"], layers=layers, heads=heads,
             kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=head_dim_of(cfg),
             inter=cfg.get("intermediate_size") or 0, vocab=cfg["vocab_size"],
             num_dense_mlp_layers=layers - moe_layers, num_experts=experts,
             experts_per_token=cfg.get("num_experts_per_tok") or 0,

@@ -24,7 +24,7 @@ from nanoserve.engine.scheduler import ScheduledBatch
 from nanoserve.engine.sequence import Sequence
 from nanoserve.layers.attention import Attention
 from nanoserve.layers.context import ModelContext
-from nanoserve.models import model_class
+from nanoserve.models import head_dim_of, model_class
 from nanoserve.models.loader import load_weights, prepare_weights
 from nanoserve.sampling import Sampler, SamplingMetadata, SamplingRow
 
@@ -68,9 +68,8 @@ class ModelRunner:
         cfg = config.hf_config
         self.dtype = resolve_dtype(config.dtype, cfg, device)
         self.vocab_size = cfg["vocab_size"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         self.backend = select_backend(
-            device, self.dtype, config.attention_backend, config.kvcache_block_size, head_dim
+            device, self.dtype, config.attention_backend, config.kvcache_block_size, head_dim_of(cfg)
         )
         self.block_size = config.kvcache_block_size or self.backend.preferred_block_size
         self.blocks_per_seq = -(-config.max_model_len // self.block_size)

@@ -55,10 +55,6 @@ class Scheduler:
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
 
-    @property
-    def block_size(self) -> int:
-        return self.block_manager.block_size
-
     # ---- scheduling ------------------------------------------------------------------------
 
     def schedule(self) -> ScheduledBatch:
@@ -106,16 +102,16 @@ class Scheduler:
             if len(self.running) + 1 + len(seq.children) > self.max_num_seqs:
                 break
             hits = self.block_manager.get_computed_blocks(seq)
-            n = seq.num_tokens - len(hits) * self.block_size
+            n = seq.num_tokens - len(hits) * self.block_manager.block_size
             if n > budget:
                 if not chunked:
                     break
                 n = budget
             if not self.block_manager.allocate_slots(seq, n, hits):
                 break
-            self.block_manager.record_lookup(seq, len(hits) * self.block_size)
+            self.block_manager.record_lookup(seq, len(hits) * self.block_manager.block_size)
             if seq.num_cached_tokens is None:
-                seq.num_cached_tokens = len(hits) * self.block_size
+                seq.num_cached_tokens = len(hits) * self.block_manager.block_size
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

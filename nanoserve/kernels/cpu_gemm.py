@@ -57,22 +57,26 @@ class PanelGemm:
 
 
 class OneDNNGemm:
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, compute_dtype: torch.dtype) -> None:
-        self.compute_dtype = compute_dtype
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, compute_dtype: torch.dtype,
+        out_dtype: torch.dtype | None = None,
+    ) -> None:
+        """out_dtype: the result's dtype (None: the activations')."""
+        self.compute_dtype, self.out_dtype = compute_dtype, out_dtype
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(compute_dtype).contiguous(), None)
         self.bias = bias.detach().to(compute_dtype).contiguous() if bias is not None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1]).to(self.compute_dtype).contiguous()  # [rows, in]
         y = torch.ops.mkldnn._linear_pointwise(_pad_rows(x2), self.weight, self.bias, "none", [], "")
-        return y[: x2.shape[0]].view(*x.shape[:-1], y.shape[-1]).to(x.dtype)
+        return y[: x2.shape[0]].view(*x.shape[:-1], y.shape[-1]).to(self.out_dtype or x.dtype)
 
 
 class BucketedLinear:
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.weight, self.bias = weight, bias
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None) -> None:
+        self.weight, self.bias, self.out_dtype = weight, bias, out_dtype
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         y = F.linear(_pad_rows(x2), self.weight, self.bias)
-        return y[: x2.shape[0]].view(*x.shape[:-1], y.shape[-1])
+        return y[: x2.shape[0]].view(*x.shape[:-1], y.shape[-1]).to(self.out_dtype or x.dtype)

@@ -92,9 +92,5 @@ class RotaryEmbedding(nn.Module):
         q_norm: nn.Module | None = None,  # per-head RMSNorms applied first (Qwen3)
         k_norm: nn.Module | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # [num_tokens, num_heads, head_dim], [num_tokens, num_kv_heads, head_dim]
-        qk_norm = None
-        if q_norm is not None:
-            if q_norm.eps != k_norm.eps:
-                raise ValueError(f"q_norm and k_norm must share eps, got {q_norm.eps} and {k_norm.eps}")
-            qk_norm = (q_norm.weight, k_norm.weight, q_norm.eps)
+        qk_norm = (q_norm.weight, k_norm.weight, q_norm.eps) if q_norm is not None else None  # one eps for both
         return self.backend.rotary(positions, q, k, self.cos_sin, self.head_dim, qk_norm)

@@ -21,6 +21,11 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
 SUPPORTED_ARCHITECTURES = tuple(MODEL_REGISTRY)
 
 
+def head_dim_of(hf_config: dict) -> int:
+    """config.json's head_dim, or hidden_size / num_attention_heads where it is absent (or null)."""
+    return hf_config.get("head_dim") or hf_config["hidden_size"] // hf_config["num_attention_heads"]
+
+
 def model_class(architecture: str) -> type[nn.Module]:
     if architecture not in MODEL_REGISTRY:
         raise ValueError(f"unsupported architecture {architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")

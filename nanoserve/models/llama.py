@@ -19,10 +19,7 @@ from nanoserve.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.layernorm import RMSNorm
 from nanoserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanoserve.layers.rotary_embedding import RotaryEmbedding
-
-
-def head_dim_of(cfg: dict) -> int:
-    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+from nanoserve.models import head_dim_of
 
 
 class LlamaAttention(nn.Module):

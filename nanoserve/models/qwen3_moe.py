@@ -27,6 +27,15 @@ def num_experts_of(cfg: dict) -> int:
     return int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
 
 
+def is_sparse_layer(cfg: dict, layer_index: int) -> bool:
+    """Does layer `layer_index` route to experts (else it has a dense MLP of intermediate_size)?"""
+    return (
+        layer_index not in (cfg.get("mlp_only_layers") or [])
+        and num_experts_of(cfg) > 0
+        and (layer_index + 1) % (cfg.get("decoder_sparse_step") or 1) == 0
+    )
+
+
 class Qwen3MoeSparseBlock(nn.Module):
     def __init__(self, cfg: dict, ctx: ModelContext) -> None:
         super().__init__()
@@ -43,12 +52,9 @@ class Qwen3MoeSparseBlock(nn.Module):
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     def make_mlp(self, cfg: dict, layer_index: int, ctx: ModelContext) -> nn.Module:
-        sparse = (
-            layer_index not in (cfg.get("mlp_only_layers") or [])
-            and num_experts_of(cfg) > 0
-            and (layer_index + 1) % cfg.get("decoder_sparse_step", 1) == 0
-        )
-        return Qwen3MoeSparseBlock(cfg, ctx) if sparse else super().make_mlp(cfg, layer_index, ctx)
+        if is_sparse_layer(cfg, layer_index):
+            return Qwen3MoeSparseBlock(cfg, ctx)
+        return super().make_mlp(cfg, layer_index, ctx)
 
     def checkpoint_name_to_param(self, name: str) -> tuple[str, object]:
         if m := _EXPERT.search(name):

@@ -96,12 +96,12 @@ class SamplingMetadata:
     plain_rows: torch.Tensor | None  # [P] sampled rows with temperature only (no filter); None if P=0
     filtered_rows: torch.Tensor | None  # [F] sampled rows with top_k, top_p or min_p; None if F=0
     # --- per-row sampling parameters, [B] each (greedy rows hold neutral values) ---
-    temperature: torch.Tensor  # float32; 1.0 for greedy rows so dividing is harmless
-    top_k: torch.Tensor  # int64; 0 = off
-    top_p: torch.Tensor  # float32; 1.0 = off
-    min_p: torch.Tensor  # float32; 0.0 = off
-    seeds: torch.Tensor  # int64 in [0, 2**63)
-    steps: torch.Tensor  # int64, tokens generated so far: index of the token being sampled
+    temperature: torch.Tensor | None  # float32; 1.0 for greedy rows so dividing is harmless; None if all are greedy
+    top_k: torch.Tensor | None  # int64; 0 = off
+    top_p: torch.Tensor | None  # float32; 1.0 = off
+    min_p: torch.Tensor | None  # float32; 0.0 = off
+    seeds: torch.Tensor | None  # int64 in [0, 2**63)
+    steps: torch.Tensor | None  # int64, tokens generated so far: index of the token being sampled
     need_temperature: bool  # some sampled row has temperature != 1
     use_top_k: bool  # some filtered row has top_k
     use_top_p: bool  # some filtered row has top_p < 1
@@ -138,8 +138,13 @@ class SamplingMetadata:
         needs_wide = any(specs[i].top_k == 0 for i in filtered)
         num_cands = min(V, max(max_k + 1, num_candidates if needs_wide else 0))
 
+        all_greedy = all(s.greedy for s in specs)
+
         def tensor(values, dtype):
             return torch.tensor(values, dtype=dtype).to(device)
+
+        def per_row(values, dtype):  # what only a sampled (non-greedy) row needs: none when all are greedy
+            return None if all_greedy else tensor(values, dtype)
 
         any_rep = any(s.repetition_penalty != 1.0 for s in specs)
         any_freq = any(s.frequency_penalty != 0.0 for s in specs)
@@ -167,16 +172,16 @@ class SamplingMetadata:
         return cls(
             num_rows=B,
             vocab_size=V,
-            all_greedy=all(s.greedy for s in specs),
+            all_greedy=all_greedy,
             any_greedy=any(s.greedy for s in specs),
             plain_rows=tensor(plain, torch.int64) if plain else None,
             filtered_rows=tensor(filtered, torch.int64) if filtered else None,
-            temperature=tensor(temperature, torch.float32),
-            top_k=tensor([s.top_k for s in specs], torch.int64),
-            top_p=tensor(top_p, torch.float32),
-            min_p=tensor([s.min_p for s in specs], torch.float32),
-            seeds=tensor([r.seed for r in rows], torch.int64),
-            steps=tensor(steps, torch.int64),
+            temperature=per_row(temperature, torch.float32),
+            top_k=per_row([s.top_k for s in specs], torch.int64),
+            top_p=per_row(top_p, torch.float32),
+            min_p=per_row([s.min_p for s in specs], torch.float32),
+            seeds=per_row([r.seed for r in rows], torch.int64),
+            steps=per_row(steps, torch.int64),
             need_temperature=any(t != 1.0 for t in temperature),
             use_top_k=max_k > 0,
             use_top_p=any(top_p[i] < 1.0 for i in filtered),
