@@ -11,6 +11,10 @@ import json
 import os
 from typing import Any
 
+# Imported here, not when the first engine starts: a module imported inside LLM() (transformers
+# pulls in trio, which keeps a traceback of its import) would keep that LLM alive for good.
+from transformers import AutoTokenizer
+
 # A tokenizer needs its vocabulary: the fast tokenizer's file, a SentencePiece model, or a slow
 # BPE / WordPiece vocabulary. Without one transformers builds an empty tokenizer without complaint.
 TOKENIZER_VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
@@ -36,8 +40,6 @@ def read_optional_json(path: str) -> dict[str, Any]:
 
 def load_tokenizer(directory: str):
     """The HF tokenizer in `directory`, checked for the files it needs first."""
-    from transformers import AutoTokenizer  # heavy: only when an engine starts
-
     for name in TOKENIZER_JSON_FILES:
         read_optional_json(os.path.join(directory, name))  # a broken file is named here
     if not any(os.path.isfile(os.path.join(directory, name)) for name in TOKENIZER_VOCAB_FILES):
