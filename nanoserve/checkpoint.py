@@ -11,8 +11,9 @@ import json
 import os
 from typing import Any
 
-# Imported here, not when the first engine starts: a module imported inside LLM() (transformers
-# pulls in trio, which keeps a traceback of its import) would keep that LLM alive for good.
+# Imported with this module, not when the first engine starts: frames of an import made inside
+# LLM() can outlive it (transformers pulls in trio, which keeps a traceback of its own import),
+# and they hold that LLM until the cycle collector runs: its memory would not go when it is dropped.
 from transformers import AutoTokenizer
 
 # A tokenizer needs its vocabulary: the fast tokenizer's file, a SentencePiece model, or a slow
