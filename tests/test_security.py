@@ -115,8 +115,8 @@ def test_only_pickle_weights_is_a_clear_error(tiny_model, tmp_path):
 
 
 def test_code_in_a_checkpoint_never_runs(tiny_model, tmp_path):
-    """auto_map entries pointing at Python files beside the weights are ignored, even with
-    trust_remote_code=True (which nanoserve accepts for vLLM's sake and never acts on)."""
+    """auto_map entries pointing at Python files beside the weights are ignored. (LLM's
+    trust_remote_code=True never reaches the engine: test_vllm_compat checks it is dropped.)"""
     path = shutil.copytree(tiny_model, tmp_path / "m")
     marker = tmp_path / "code-ran"
     for module in ("configuration_evil", "modeling_evil", "tokenization_evil"):
@@ -129,7 +129,7 @@ def test_code_in_a_checkpoint_never_runs(tiny_model, tmp_path):
     tok_config["auto_map"] = {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]}
     (path / "tokenizer_config.json").write_text(json.dumps(tok_config))
 
-    llm = make_llm(str(path), trust_remote_code=True, num_kvcache_blocks=32, max_model_len=64)
+    llm = make_llm(str(path), num_kvcache_blocks=32, max_model_len=64)
     (out,) = llm.generate("Hello", SamplingParams(max_tokens=4), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 4
     assert not marker.exists(), f"checkpoint code ran: {marker.read_text()}"
