@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from nanoserve import LLM, SamplingParams, TextPrompt, TokensPrompt
 
 FUZZ = settings(
-    max_examples=120, deadline=None, print_blob=True,
+    max_examples=60, deadline=None, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 MAX_MODEL_LEN = 80
