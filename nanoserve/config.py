@@ -1,10 +1,10 @@
 """Engine configuration: one dataclass, validated once, read everywhere else."""
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field, fields
 
+from nanoserve.checkpoint import read_json
 from nanoserve.models import SUPPORTED_ARCHITECTURES, check_supported, sliding_window
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -13,6 +13,12 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "flash_attn", "triton")  # see nanoserve/backends
 WEIGHT_SUFFIXES = (".safetensors",)
+# Weights in pickle files: unpickling runs arbitrary code, so they are never read.
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+# config.json fields every supported architecture needs, each a positive int.
+REQUIRED_HF_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")
+OPTIONAL_HF_FIELDS = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+MOE_HF_FIELDS = ("num_experts_per_tok", "moe_intermediate_size")
 
 
 @dataclass
@@ -46,11 +52,9 @@ class Config:
         self.dtype = canonical_dtype(self.dtype)
         self._check_choices()
         self._check_ints()
-        self.hf_config = self._read_hf_config()
-        source = f"{self.model}/config.json"
-        arch = (self.hf_config.get("architectures") or [None])[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {arch!r} in {source}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        source = os.path.join(self.model, "config.json")
+        self.hf_config = read_json(source)
+        check_hf_config(self.hf_config, source)
         max_pos = int(self.hf_config.get("max_position_embeddings", 4096))
         if self.max_model_len is None:
             self.max_model_len = min(4096, max_pos, sliding_window(self.hf_config) or max_pos)
@@ -80,8 +84,13 @@ class Config:
             raise ValueError(f"model directory {self.model!r} does not exist (no model hub: pass a local path)")
         if not os.path.isfile(os.path.join(self.model, "config.json")):
             raise ValueError(f"model directory {self.model!r} has no config.json")
-        if not any(f.endswith(WEIGHT_SUFFIXES) for f in os.listdir(self.model)):
-            raise ValueError(f"model directory {self.model!r} has no *.safetensors weights")
+        files = os.listdir(self.model)
+        if not any(f.endswith(WEIGHT_SUFFIXES) for f in files):
+            pickled = sorted(f for f in files if f.endswith(PICKLE_SUFFIXES))
+            hint = (f"; it holds pickle weights ({', '.join(pickled)}), which nanoserve never loads because "
+                    "unpickling can run arbitrary code: convert them to safetensors (e.g. transformers' "
+                    "save_pretrained(dir, safe_serialization=True))") if pickled else ""
+            raise ValueError(f"model directory {self.model!r} has no *.safetensors weights{hint}")
 
     def _check_tokenizer_dir(self) -> None:
         if self.tokenizer is None:
@@ -145,9 +154,74 @@ class Config:
                     f"(each rank holds {name} / tensor_parallel_size of them)"
                 )
 
-    def _read_hf_config(self) -> dict:
-        with open(os.path.join(self.model, "config.json")) as f:
-            return json.load(f)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_hf_config(cfg: dict, source: str) -> None:
+    """Refuse a config.json that lacks a field the model needs or whose fields disagree, naming
+    the file and the field, before anything is built from it."""
+    archs = cfg.get("architectures")
+    if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
+        raise ValueError(f"{source}: architectures must be a list naming the model class, got {archs!r}")
+    if archs[0] not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported architecture {archs[0]!r} in {source}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    moe = archs[0] == "Qwen3MoeForCausalLM"
+    for name in REQUIRED_HF_FIELDS + (MOE_HF_FIELDS if moe else ()):
+        if cfg.get(name) is None:
+            raise ValueError(f"{source} lacks the required field {name!r}")
+    for name in REQUIRED_HF_FIELDS + OPTIONAL_HF_FIELDS + (MOE_HF_FIELDS if moe else ()):
+        value = cfg.get(name)
+        if value is not None and (not _is_int(value) or value < 1):
+            raise ValueError(f"{source}: {name} must be a positive int, got {value!r}")
+    heads = cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    if heads % kv_heads:
+        raise ValueError(
+            f"{source}: num_attention_heads={heads} must be a multiple of num_key_value_heads={kv_heads} "
+            "(each KV head serves a whole group of query heads)"
+        )
+    if not cfg.get("head_dim") and cfg["hidden_size"] % heads:
+        raise ValueError(
+            f"{source}: hidden_size={cfg['hidden_size']} is not a multiple of num_attention_heads={heads}, "
+            "and there is no head_dim field"
+        )
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    if head_dim % 2:
+        raise ValueError(f"{source}: the head dimension ({head_dim}) must be even: RoPE rotates pairs of channels")
+    layer_types = cfg.get("layer_types")
+    if isinstance(layer_types, list) and len(layer_types) != cfg["num_hidden_layers"]:
+        raise ValueError(
+            f"{source}: layer_types has {len(layer_types)} entries but num_hidden_layers={cfg['num_hidden_layers']}"
+        )
+    _check_hf_scalars(cfg, source)
+    if moe:
+        experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+        if not _is_int(experts) or not 1 <= cfg["num_experts_per_tok"] <= experts:
+            raise ValueError(
+                f"{source}: num_experts_per_tok={cfg['num_experts_per_tok']} must be in [1, num_experts], "
+                f"and num_experts (or num_local_experts) a positive int, got {experts!r}"
+            )
+
+
+def _check_hf_scalars(cfg: dict, source: str) -> None:
+    from nanoserve.layers.rotary_embedding import rope_parameters
+
+    eps = cfg.get("rms_norm_eps")
+    if eps is not None and (not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps > 0):
+        raise ValueError(f"{source}: rms_norm_eps must be a positive number, got {eps!r}")
+    if not isinstance(cfg.get("tie_word_embeddings", False), bool):
+        raise ValueError(f"{source}: tie_word_embeddings must be true or false, got {cfg['tie_word_embeddings']!r}")
+    try:
+        theta = rope_parameters(cfg)[0]
+    except (TypeError, ValueError, AttributeError):
+        theta = None
+    if theta is None or not theta > 0:
+        raise ValueError(f"{source}: rope_theta must be a positive number")
 
 
 def canonical_dtype(dtype) -> str:

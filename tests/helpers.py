@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
 from nanoserve import LLM
-
+from nanoserve.backends.cpu import CPUBackend
+from nanoserve.sampling.sampler import Sampler
 
 # ---- engines -----------------------------------------------------------------------------------
 
@@ -30,6 +32,132 @@ def assert_matches_hf(hf, path, prompts, outputs, max_tokens) -> None:
     for prompt, out in zip(prompts, outputs):
         assert out.prompt_token_ids == prompt
         assert out.outputs[0].token_ids == hf.greedy(path, prompt, max_tokens)
+
+
+def rss_mb() -> float:
+    """This process's resident memory (VmRSS) in MB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def child_pids(pid: int | None = None) -> set[int]:
+    """Live child processes of `pid` (default: this process), from /proc, except multiprocessing's
+    resource tracker: the standard library starts one per process with the first spawned child
+    and keeps it, shared by every later one, until the interpreter exits."""
+    pid = os.getpid() if pid is None else pid
+    children: set[int] = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            children.update(int(c) for c in f.read().split())
+    return {c for c in children if not _is_resource_tracker(c)}
+
+
+def _is_resource_tracker(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"multiprocessing.resource_tracker" in f.read()
+    except FileNotFoundError:  # exited meanwhile
+        return False
+
+
+# ---- fault injection ---------------------------------------------------------------------------
+
+
+class FaultInjectingBackend(CPUBackend):
+    """The default CPU backend, counting its attention calls (one per layer per step) and raising
+    an armed exception at a chosen one. Passed to the engine as `attention_backend`, the seam the
+    engine offers for new devices and test doubles; reach the instance as
+    `llm.engine.model_runner.backend`."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__(device, dtype)
+        self.calls = 0
+        self._fail_at: int | None = None
+        self._fault: BaseException | None = None
+
+    def arm(self, fault: BaseException, after: int = 0) -> None:
+        """Raise `fault` (once) at the attention call `after` calls from now (0 = the next one)."""
+        self._fail_at, self._fault = self.calls + after + 1, fault
+
+    def attention(self, q, k, v, k_cache, v_cache, meta, scale):
+        self.calls += 1
+        if self._fail_at is not None and self.calls == self._fail_at:
+            self._fail_at = None
+            raise self._fault
+        return super().attention(q, k, v, k_cache, v_cache, meta, scale)
+
+
+class FaultInjectingSampler(Sampler):
+    """The engine's sampler, raising an armed exception at a chosen call (set it as
+    `llm.engine.model_runner.sampler`)."""
+
+    def __init__(self, fault: BaseException, after: int = 0) -> None:
+        super().__init__()
+        self.calls = 0
+        self._fail_at: int | None = after + 1
+        self._fault = fault
+
+    def forward(self, logits, meta):
+        self.calls += 1
+        if self.calls == self._fail_at:
+            self._fail_at = None
+            raise self._fault
+        return super().forward(logits, meta)
+
+
+# ---- the prefix cache holds what it claims ----------------------------------------------------------
+
+
+def cached_prefixes(llm: LLM) -> dict[int, list[int]]:
+    """Every prefix-cache entry a lookup can reach: block id -> the token ids its K/V encodes
+    (the whole chain from the sequence start to the end of that block)."""
+    pool = llm.engine.block_manager.pool
+    by_uid = {block.uid: block for block in pool.blocks if block.hash is not None}
+    prefixes: dict[int, list[int]] = {}
+    for block in by_uid.values():
+        chain, current = [], block
+        while current is not None:
+            chain.append(current.token_ids)
+            if current.parent_uid is None:
+                break
+            current = by_uid.get(current.parent_uid)  # None: the parent was evicted
+        if current is None:
+            continue  # no lookup can reach a block whose parent is gone
+        prefixes[block.block_id] = [t for tokens in reversed(chain) for t in tokens]
+    return prefixes
+
+
+def stale_cache_entries(llm: LLM, reference: LLM, atol: float = 1e-4) -> list[int]:
+    """The prefix-cache blocks of `llm` whose K/V differ from a recomputation of their tokens.
+
+    `reference` (same checkpoint, dtype and block size, prefix caching on, otherwise idle)
+    prefills each cached prefix; its own cache then holds the same hashes, and every layer's K/V
+    of each block is compared. A block published before its K/V was written holds zeros or
+    another sequence's values, and shows up here.
+    """
+    from nanoserve.sampling_params import SamplingParams
+
+    prefixes = cached_prefixes(llm)
+    if not prefixes:
+        return []
+    assert reference.engine.block_size == llm.engine.block_size
+    chains = {tuple(p) for p in prefixes.values()}
+    leaves = [c for c in chains if not any(len(o) > len(c) and o[: len(c)] == c for o in chains)]
+    # One at a time: prompts sharing blocks within one step would not all be cached (duplicates).
+    for leaf in leaves:
+        reference.generate([list(leaf)], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    ref_pool = reference.engine.block_manager.pool
+    stale = []
+    for block_id in prefixes:
+        ref_block = ref_pool.hash_index[llm.engine.block_manager.pool.blocks[block_id].hash]
+        ours = llm.engine.model_runner.kv_cache[:, :, block_id].float()  # [2, layers, block_size, kv_heads, head_dim]
+        theirs = reference.engine.model_runner.kv_cache[:, :, ref_block].float()
+        if not torch.allclose(ours, theirs, atol=atol, rtol=1e-3):
+            stale.append(block_id)
+    return stale
 
 
 # ---- paged attention batches -------------------------------------------------------------------

@@ -16,6 +16,7 @@ import time
 import pytest
 
 from conftest import random_prompts
+from helpers import child_pids
 from nanoserve import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -162,7 +163,8 @@ def test_second_engine_while_first_alive_then_with_closes(tp2, tiny_model, hf):
     second.close()  # idempotent
 
 
-def test_killed_worker_raises_instead_of_hanging(tiny_model):
+def test_killed_worker_raises_instead_of_hanging(tiny_model, hf):
+    others = child_pids()  # e.g. the shared engine's worker
     llm = make_llm(tiny_model)
     (pid,) = llm.engine.model_runner.worker_pids
     prompts = random_prompts(8, 3, 20, seed=3)
@@ -181,6 +183,13 @@ def test_killed_worker_raises_instead_of_hanging(tiny_model):
     with pytest.raises(RuntimeError):  # the engine stays failed, it never hangs
         llm.generate(prompts[:1], GREEDY, use_tqdm=False)
     llm.close()
+    assert child_pids() <= others, "close() left a process behind"
+    # A new engine starts in the same process and gives the same tokens as ever.
+    with make_llm(tiny_model) as again:
+        (new_pid,) = again.engine.model_runner.worker_pids
+        assert tokens(again.generate(prompts[:3], GREEDY, use_tqdm=False)) == [
+            hf.greedy(tiny_model, p, 16) for p in prompts[:3]]
+    assert_gone([new_pid])
 
 
 def test_worker_exception_reaches_the_parent_with_its_traceback(tiny_model):

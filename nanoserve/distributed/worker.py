@@ -42,7 +42,7 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 def worker_main(
-    rank: int, size: int, config: Config, device_str: str, port: int,
+    rank: int, size: int, config: Config, device_str: str, store_path: str,
     conn, parent_pid: int, num_threads: int,
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it stops us
@@ -54,7 +54,7 @@ def worker_main(
             torch.cuda.set_device(device)
         group = TPGroup(rank, size)
         # Connected before the model is built: on CUDA its warm-up (memory profiling) runs collectives.
-        process_group.connect(group, device, process_group.join_store(port, size))
+        process_group.connect(group, device, process_group.join_store(store_path, size))
         runner = ModelRunner(config, device, group)
         send_message(conn, "ready", runner.num_kvcache_blocks)
         agree_num_kvcache_blocks(runner, group)

@@ -51,7 +51,7 @@ class Workers:
             parent_conn, child_conn = ctx.Pipe(duplex=True)
             proc = ctx.Process(
                 target=worker_main,
-                args=(rank, self.size, config, str(process_group.rank_device(device, rank)), self.store.port,
+                args=(rank, self.size, config, str(process_group.rank_device(device, rank)), self.store.path,
                       child_conn, os.getpid(), num_threads),
                 name=f"nanoserve-tp-rank{rank}",
                 daemon=True,  # multiprocessing also terminates daemonic children at interpreter exit
@@ -157,4 +157,6 @@ class Workers:
                 proc.join()
         for conn in self.conns:
             conn.close()
+        if self.store is not None:
+            process_group.close_store(self.store.path)  # every rank is gone: nobody needs it
         self.store = None

@@ -1,7 +1,6 @@
 """The engine loop: requests in, one scheduled step at a time, finished RequestOutputs out."""
 from __future__ import annotations
 
-import json
 import os
 import random
 import time
@@ -10,8 +9,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from transformers import AutoTokenizer
-
+from nanoserve.checkpoint import load_tokenizer, read_optional_json
 from nanoserve.config import Config
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.detokenizer import IncrementalDetokenizer
@@ -57,11 +55,7 @@ class StepStats:
 
 
 def read_generation_config(model_dir: str) -> dict:
-    path = os.path.join(model_dir, "generation_config.json")
-    if not os.path.isfile(path):
-        return {}
-    with open(path) as f:
-        return json.load(f)
+    return read_optional_json(os.path.join(model_dir, "generation_config.json"))
 
 
 def eos_token_ids(tokenizer, generation_config: dict) -> list[int]:
@@ -75,7 +69,7 @@ def eos_token_ids(tokenizer, generation_config: dict) -> list[int]:
 class LLMEngine:
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
+        self.tokenizer = load_tokenizer(config.tokenizer)
         self.generation_config = read_generation_config(config.model)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.generation_config)
         self.vocab_size = config.hf_config["vocab_size"]

@@ -21,6 +21,9 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if tuple(loaded.shape) != (self.vocab_size, param.shape[1]):
+            raise ValueError(f"the checkpoint tensor must have shape {[self.vocab_size, param.shape[1]]} "
+                             "(vocab_size x hidden_size of config.json)")
         rows = loaded[self.vocab_start : self.vocab_start + self.shard_size]
         param.data.zero_()
         param.data[: rows.shape[0]].copy_(rows)

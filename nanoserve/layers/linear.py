@@ -17,6 +17,14 @@ def weights_not_loaded(*args) -> torch.Tensor:
     raise RuntimeError("layer used before its weights were loaded and prepared")
 
 
+def shard_of(loaded: torch.Tensor, full_shape, dim: int, rank: int, shard: int) -> torch.Tensor:
+    """Rank `rank`'s `shard` entries along `dim` of a checkpoint tensor, which must have exactly the
+    unsharded shape `full_shape`: a larger tensor must not be cut silently to fit."""
+    if tuple(loaded.shape) != tuple(full_shape):
+        raise ValueError(f"the checkpoint tensor must have shape {list(full_shape)}")
+    return loaded.narrow(dim, rank * shard, shard)
+
+
 def expect_shards(param: nn.Parameter, shards) -> None:
     """Declare the parts a packed parameter is loaded from; the loader refuses a checkpoint that lacks one."""
     param.expected_shards = frozenset(shards)
@@ -37,7 +45,7 @@ class LinearBase(nn.Module):
         self.gemm = weights_not_loaded
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        param.data.copy_(loaded)
+        param.data.copy_(shard_of(loaded, param.shape, 0, 0, param.shape[0]))  # no broadcasting
 
     def process_weights_after_loading(self) -> None:
         self.gemm = self.backend.prepare_linear(self.weight, self.bias)
@@ -56,7 +64,8 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         shard = param.data.shape[0]
-        param.data.copy_(loaded.narrow(0, self.tp.rank * shard, shard))
+        full = (shard * self.tp.size, *param.shape[1:])
+        param.data.copy_(shard_of(loaded, full, 0, self.tp.rank, shard))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -73,7 +82,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
         shard = self.output_sizes[shard_id] // self.tp.size
         offset = sum(self.output_sizes[:shard_id]) // self.tp.size
-        param.data.narrow(0, offset, shard).copy_(loaded.narrow(0, self.tp.rank * shard, shard))
+        full = (self.output_sizes[shard_id], *param.shape[1:])
+        param.data.narrow(0, offset, shard).copy_(shard_of(loaded, full, 0, self.tp.rank, shard))
         param.loaded_shards.add(shard_id)
 
 
@@ -94,7 +104,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         offset, shard = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
-        param.data.narrow(0, offset, shard).copy_(loaded.narrow(0, self.tp.rank * shard, shard))
+        full = (shard * self.tp.size, *param.shape[1:])
+        param.data.narrow(0, offset, shard).copy_(shard_of(loaded, full, 0, self.tp.rank, shard))
         param.loaded_shards.add(shard_id)
 
 
@@ -104,10 +115,12 @@ class RowParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if param.dim() == 1:  # bias: added once, on rank 0, after the all-reduce would double it
+            loaded = shard_of(loaded, param.shape, 0, 0, param.shape[0])
             param.data.copy_(loaded if self.tp.rank == 0 else torch.zeros_like(loaded))
             return
         shard = param.data.shape[1]
-        param.data.copy_(loaded.narrow(1, self.tp.rank * shard, shard))
+        full = (param.shape[0], shard * self.tp.size)
+        param.data.copy_(shard_of(loaded, full, 1, self.tp.rank, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.gemm(x))

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from nanoserve.layers.context import ModelContext
-from nanoserve.layers.linear import expect_shards, weights_not_loaded
+from nanoserve.layers.linear import expect_shards, shard_of, weights_not_loaded
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,20 +49,23 @@ class FusedMoE(nn.Module):
         """shard_id = (expert, "gate" | "up" | "down"), expert None for a stacked [num_experts, ...] tensor."""
         expert, part = shard_id
         experts = range(self.num_experts) if expert is None else [expert]
+        n, rank = self.intermediate, self.tp.rank
+        full, hidden = n * self.tp.size, param.shape[-2 if part == "down" else -1]
+        stacked = (self.num_experts,) if expert is None else ()
         if expert is None:  # stacked: gate_up is [E, 2 * I, hidden] (gate rows first), down [E, hidden, I]
             if part == "gate_up":
-                full = loaded.shape[1] // 2
+                loaded = shard_of(loaded, (*stacked, 2 * full, hidden), 1, 0, 2 * full)
                 self.weight_loader(param, loaded[:, :full], (None, "gate"))
                 self.weight_loader(param, loaded[:, full:], (None, "up"))
                 return
-            dest, src = param.data, loaded
+            dest = param.data
         else:
-            dest, src = param.data[expert], loaded
-        n, rank = self.intermediate, self.tp.rank
+            dest = param.data[expert]
         if part == "down":  # [hidden, intermediate]: this rank's columns
-            dest.copy_(src.narrow(-1, rank * n, n))
+            dest.copy_(shard_of(loaded, (*stacked, hidden, full), -1, rank, n))
         else:  # [intermediate, hidden]: this rank's rows, into the gate or the up half
-            dest.narrow(-2, 0 if part == "gate" else n, n).copy_(src.narrow(-2, rank * n, n))
+            rows = shard_of(loaded, (*stacked, full, hidden), -2, rank, n)
+            dest.narrow(-2, 0 if part == "gate" else n, n).copy_(rows)
         param.loaded_shards.update((e, part) for e in experts)
 
     def process_weights_after_loading(self) -> None:

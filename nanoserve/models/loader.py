@@ -1,18 +1,21 @@
 """Load HF safetensors checkpoints (single file or sharded) through the layers' weight loaders.
 
 Only safetensors are read (never pickle). Every problem is a ValueError naming the file and the
-tensor: an unknown tensor, one of the wrong shape, a weight the model needs that no file holds
-(including one part of a packed weight, e.g. a missing k_proj or one expert of a MoE layer).
+tensor: an unknown tensor, one of the wrong shape (the layers' loaders check the full, unsharded
+shape, so a larger tensor is never cut to fit) or of a non-float dtype, a weight the model needs
+that no file holds (including one part of a packed weight, e.g. a missing k_proj or one expert
+of a MoE layer).
 """
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
+
+from nanoserve.checkpoint import read_json
 
 # Tensors a checkpoint may carry that the engine recomputes or never uses.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -21,8 +24,12 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 def checkpoint_files(model_dir: str) -> list[str]:
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(
+                f"{index}: weight_map must map tensor names to file names, got {type(weight_map).__name__}"
+            )
+        names = sorted(set(weight_map.values()))
     else:
         names = sorted(n for n in os.listdir(model_dir) if n.endswith(".safetensors"))
     missing = [n for n in names if not os.path.isfile(os.path.join(model_dir, n))]
@@ -56,9 +63,14 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
         if target not in params:
             raise ValueError(f"{path}: tensor {name!r} has no matching parameter ({target!r}) in the model")
         param = params[target]
+        if not tensor.is_floating_point():  # copy_ would convert it silently into a wrong model
+            raise ValueError(
+                f"{path}: tensor {name!r} has dtype {str(tensor.dtype).removeprefix('torch.')}; weights must be "
+                "floating point (float32, bfloat16 or float16)"
+            )
         try:
             _load_one(param, tensor, shard_id)
-        except (RuntimeError, IndexError) as e:  # a shape torch cannot copy or narrow into the parameter
+        except (ValueError, RuntimeError, IndexError) as e:  # a shape that does not fit the parameter
             raise ValueError(
                 f"{path}: tensor {name!r} of shape {list(tensor.shape)} does not fit parameter {target!r} "
                 f"of shape {list(param.shape)} ({e})"
