@@ -11,32 +11,24 @@ import sys
 import textwrap
 
 import pytest
+import torch
 from helpers import assert_no_leak, make_llm, rss_mb
 
 from nanoserve import SamplingParams
+from nanoserve.backends.cpu import gemm_unavailable
+from nanoserve.kernels import cpu_kernels
 
 NUM_CALLS = 25
 REQUESTS_PER_CALL = 80  # 2,000 requests in all
 WARM_UP_CALLS = 5
 MAX_GROWTH_MB = 40  # after warm-up; the failure this guards against grew ~10 MB per call
 
-SHAPES_UNBOUNDED = (
-    "oneDNN's prepacked float32 GEMM (_linear_pointwise) keeps memory for every row count it meets, and a "
-    "step's token count is still any value up to max_num_batched_tokens: needs each step's token count "
-    "padded to a bounded set of sizes"
-)
-
-# Every CPU GEMM path: (dtype, NANOSERVE_CPU_GEMM). On a CPU without bf16 dot products "auto"
-# runs bf16 models through the oneDNN float32 copy (plus the skinny C GEMM for decode batches);
-# "native" keeps F.linear in the model's dtype (MKL for float32), what "auto" does on CPUs with
-# AVX512-BF16 or AMX.
+# Every CPU GEMM path (NANOSERVE_CPU_GEMM) for the dtypes that take it. oneDNN keeps memory for every
+# row count it meets; its paths (and F.linear's) pad the rows to a bounded set of sizes, the panel
+# kernel keeps no state at all. A path this CPU lacks is skipped with the reason.
 GEMM_PATHS = [
-    pytest.param("bfloat16", "auto", id="bf16-auto",
-                 marks=pytest.mark.xfail(strict=True, reason=SHAPES_UNBOUNDED)),
-    pytest.param("float32", "auto", id="fp32-onednn",
-                 marks=pytest.mark.xfail(strict=True, reason=SHAPES_UNBOUNDED)),
-    pytest.param("float32", "native", id="fp32-mkl"),
-    pytest.param("bfloat16", "native", id="bf16-native"),
+    ("bfloat16", "panel"), ("bfloat16", "onednn-bf16"), ("bfloat16", "onednn-fp32"), ("bfloat16", "native"),
+    ("float32", "onednn-fp32"), ("float32", "native"),
 ]
 
 
@@ -53,8 +45,12 @@ def random_requests(rng: random.Random, num: int) -> tuple[list[list[int]], list
     return prompts, params
 
 
-@pytest.mark.parametrize("dtype, gemm", GEMM_PATHS)
+@pytest.mark.parametrize("dtype, gemm", GEMM_PATHS, ids=[f"{d}-{g}" for d, g in GEMM_PATHS])
 def test_soak_memory_stays_flat(tiny_model, monkeypatch, dtype, gemm):
+    lib = cpu_kernels.load()
+    reason = gemm_unavailable(gemm, getattr(torch, dtype), cpu_kernels.CPUKernels(lib) if lib is not None else None)
+    if reason is not None:
+        pytest.skip(reason)
     monkeypatch.setenv("NANOSERVE_CPU_GEMM", gemm)
     llm = make_llm(tiny_model, dtype=dtype, kvcache_block_size=16, num_kvcache_blocks=48, max_model_len=128,
                    max_num_seqs=32, max_num_batched_tokens=256)
