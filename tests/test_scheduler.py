@@ -161,3 +161,20 @@ def test_a_later_sequence_hits_blocks_published_in_the_same_step_and_rollback_fo
     sched.abort_all()
     bm.check_integrity([])
     assert bm.num_free_blocks == 32
+
+
+def test_aborting_mid_step_forgets_what_the_step_published():
+    """A step interrupted after schedule() (an exception, Ctrl-C): aborting is enough to clean up,
+    even where a later sequence already hit a block an earlier one published."""
+    sched = make_scheduler(num_blocks=32, block_size=4, budget=64)
+    a, b = make_seqs([12, 12], max_tokens=4)
+    b.token_ids = list(a.token_ids)
+    sched.add(a)
+    sched.add(b)
+    sched.schedule()
+    assert b.block_table[:2] == a.block_table[:2]
+    sched.abort_all()
+    bm = sched.block_manager
+    assert not bm.pool.hash_index
+    bm.check_integrity([])
+    assert bm.num_free_blocks == 32

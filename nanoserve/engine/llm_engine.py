@@ -189,17 +189,16 @@ class LLMEngine:
             self._user = None
 
     def step(self) -> StepStats:
-        batch = self.scheduler.schedule()
-        entries = [
-            StepEntry(seq.request_id, seq.num_computed_tokens, n, samples)
-            for seq, n, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples)
-        ]
         try:
+            batch = self.scheduler.schedule()
+            entries = [
+                StepEntry(seq.request_id, seq.num_computed_tokens, n, samples)
+                for seq, n, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples)
+            ]
             out = self.model_runner.run(batch)
         except BaseException:
             # Blocks published for this step hold no K/V, and sequences that hit them in this step
-            # would read garbage: forget the blocks and drop every request in flight.
-            self.block_manager.rollback()
+            # would read garbage: the abort forgets those blocks and drops every request in flight.
             self.abort_all()
             raise
         got_token = self.scheduler.postprocess(batch, out.token_ids)

@@ -159,6 +159,7 @@ class Scheduler:
 
     def abort_all(self) -> None:
         """Drop every request (after an error mid-generate) and give back all their blocks."""
+        self.block_manager.rollback()  # blocks published for a step that never ran (no-op between steps)
         for seq in [*self.running, *self.waiting]:
             self.block_manager.free(seq)
             self.block_manager.forget(seq)
@@ -172,6 +173,7 @@ class Scheduler:
         Samples not yet forked from their parent sit in no queue and hold no blocks; they are
         only marked finished.
         """
+        self.block_manager.rollback()  # blocks published for a step that never ran (no-op between steps)
         for seq in seqs:
             if seq.is_finished:
                 continue
