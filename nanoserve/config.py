@@ -43,6 +43,7 @@ class Config:
     tensor_parallel_size: int = 1
     attention_backend: str | type = "auto"  # a name (nanoserve.backends) or a Backend subclass
     seed: int = 0
+    max_logprobs: int = 20  # vLLM's cap on SamplingParams.logprobs (the warm-up sizes memory for it)
     # Read from the checkpoint in __post_init__; not meant to be passed by users.
     hf_config: dict = field(default_factory=dict, repr=False)
 
@@ -128,6 +129,7 @@ class Config:
             "num_kvcache_blocks": 1,
             "tensor_parallel_size": 1,
             "seed": 0,
+            "max_logprobs": 0,
         }
         for name, lo in minimums.items():
             value = getattr(self, name)

@@ -54,6 +54,7 @@ def test_unknown_kwarg_is_type_error(tiny_model):
         (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
         (dict(enable_chunked_prefill=False, max_num_batched_tokens=16, max_model_len=64), "max_num_batched_tokens"),
         (dict(attention_backend="flash_attn", device="cpu"), "attention_backend"),
+        (dict(max_logprobs=-1), "max_logprobs"),
     ],
 )
 def test_bad_config_values(tiny_model, kwargs, match):
@@ -113,6 +114,7 @@ def test_no_work_starts_when_one_prompt_is_bad(llm):
         (lambda vocab: SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[vocab]), "stop_token_ids"),
         (lambda vocab: SamplingParams(max_tokens=4, stop_token_ids=[1, vocab + 5]), "stop_token_ids"),
         (lambda vocab: SamplingParams(max_tokens=4, n=2, seed=2**63 - 1), "seed"),  # sample 1 would use 2**63
+        (lambda vocab: SamplingParams(max_tokens=4, logprobs=21), "max_logprobs=20"),
     ],
 )
 def test_bad_request_for_this_model_fails_before_any_work(llm, make_params, match):
@@ -160,3 +162,18 @@ def test_bad_sampling_params_value(kwargs, match):
 def test_bad_sampling_params_type(kwargs):
     with pytest.raises(TypeError):
         SamplingParams(**kwargs)
+
+
+def test_logprobs_cap_is_configurable(tiny_model):
+    llm = LLM(tiny_model, device="cpu", dtype="float32", num_kvcache_blocks=16, max_model_len=64, max_logprobs=40)
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, logprobs=40, ignore_eos=True), use_tqdm=False)
+    assert all(len(entry) >= 40 for entry in out[0].outputs[0].logprobs)
+    llm.close()
+
+
+def test_generate_after_close_is_a_clear_error(tiny_model):
+    llm = LLM(tiny_model, device="cpu", dtype="float32", num_kvcache_blocks=16, max_model_len=64)
+    llm.close()
+    llm.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)

@@ -80,7 +80,7 @@ class LLMEngine:
         try:
             self._check_kv_cache_fits()
         except ValueError:
-            self.close()  # TP workers must not outlive a failed start
+            self.model_runner.close()  # TP workers must not outlive a failed start
             raise
         self.block_manager = BlockManager(self.num_kvcache_blocks, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -89,6 +89,7 @@ class LLMEngine:
         self._rng = random.Random(config.seed)  # seeds for requests that bring none
         self._next_request_id = 0
         self._next_seq_id = 0
+        self.is_closed = False
         self.requests: dict[str, Request] = {}
         self._user: str | None = None  # who holds the engine (see exclusive)
 
@@ -118,6 +119,8 @@ class LLMEngine:
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingSpec:
         """Every check that can fail, before any work starts; returns the request's SamplingSpec."""
+        if self.is_closed:
+            raise RuntimeError("this engine is closed (LLM.close() released its model and KV cache); build a new LLM")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         params.validate()  # fields may have been set after construction, as vLLM's scripts do
@@ -129,6 +132,11 @@ class LLMEngine:
         if len(prompt_token_ids) > self.config.max_model_len:
             raise ValueError(
                 f"prompt has {len(prompt_token_ids)} tokens, longer than max_model_len={self.config.max_model_len}"
+            )
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise ValueError(
+                f"logprobs={params.logprobs} exceeds max_logprobs={self.config.max_logprobs}; "
+                "raise LLM(max_logprobs=...) to ask for more"
             )
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
@@ -283,7 +291,9 @@ class LLMEngine:
 
     def close(self) -> None:
         """Release the model, the KV cache and (with tensor parallelism) the worker processes."""
+        self.abort_all()
         self.model_runner.close()
+        self.is_closed = True
 
     def abort_all(self) -> None:
         self.scheduler.abort_all()

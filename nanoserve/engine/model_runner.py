@@ -159,7 +159,7 @@ class ModelRunner:
         hidden = torch.zeros(cfg.max_num_seqs, cfg.hf_config["hidden_size"], dtype=self.dtype, device=self.device)
         logits = self.model.compute_logits(hidden)
         if logits is not None:  # rank 0
-            rows = warmup.sampling_rows(cfg.max_num_seqs, self.vocab_size)
+            rows = warmup.sampling_rows(cfg.max_num_seqs, self.vocab_size, cfg.max_logprobs)
             self.sampler(logits, SamplingMetadata.build(rows, self.vocab_size, self.device))
         self.resize_kv_cache(0)
 

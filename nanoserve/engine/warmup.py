@@ -11,9 +11,9 @@ from nanoserve.sampling import SamplingRow, SamplingSpec
 from nanoserve.sampling_params import SamplingParams
 
 # The sampler's most memory-hungry path: penalties ([B, V] tables), top-p (a full sort may be
-# needed) and the most logprobs vLLM allows.
+# needed) and the most logprobs the engine allows (Config.max_logprobs).
 HEAVIEST_SAMPLING = SamplingParams(
-    temperature=0.8, top_p=0.9, repetition_penalty=1.1, frequency_penalty=0.1, presence_penalty=0.1, logprobs=20
+    temperature=0.8, top_p=0.9, repetition_penalty=1.1, frequency_penalty=0.1, presence_penalty=0.1
 )
 
 
@@ -35,8 +35,10 @@ def decode_batch(num_seqs: int, num_blocks: int) -> ScheduledBatch:
     return ScheduledBatch(seqs, [1] * num_seqs, [True] * num_seqs)
 
 
-def sampling_rows(num_rows: int, vocab_size: int) -> list[SamplingRow]:
-    spec = SamplingSpec.from_params(HEAVIEST_SAMPLING, vocab_size, [])
+def sampling_rows(num_rows: int, vocab_size: int, max_logprobs: int) -> list[SamplingRow]:
+    params = HEAVIEST_SAMPLING.clone()
+    params.logprobs = min(max_logprobs, vocab_size)
+    spec = SamplingSpec.from_params(params, vocab_size, [])
     return [SamplingRow(spec, i, [i % vocab_size] * 8, 4) for i in range(num_rows)]
 
 
