@@ -22,7 +22,9 @@ def test_sharded_half_precision_checkpoint_matches_hf(tmp_path, hf, dtype, tied)
 def test_weights_land_in_packed_parameters(tiny_model):
     from safetensors.torch import load_file
 
-    llm = LLM(tiny_model, device="cpu", dtype="float32", num_kvcache_blocks=64, max_model_len=256)
+    # The torch backend multiplies the loaded parameters themselves (the CPU one packs copies of them).
+    llm = LLM(tiny_model, device="cpu", dtype="float32", num_kvcache_blocks=64, max_model_len=256,
+              attention_backend="torch")
     model = llm.engine.model_runner.model
     ref = load_file(f"{tiny_model}/model.safetensors")
     attn = model.model.layers[1].self_attn
@@ -32,6 +34,26 @@ def test_weights_land_in_packed_parameters(tiny_model):
     gate, up = (ref[f"model.layers.0.mlp.{n}_proj.weight"] for n in ("gate", "up"))
     assert torch.equal(mlp.gate_up_proj.weight, torch.cat([gate, up]))
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_packing_backends_hold_each_weight_once(tmp_path, tied):
+    """Where the GEMMs keep packed copies, the loaded weights are dropped; the embedding stays
+    (a tied head shares it), and the model still matches the torch backend token for token."""
+    path = build_tiny_qwen3(tmp_path / "m", seed=3, tie_word_embeddings=tied)
+    kwargs = dict(device="cpu", dtype="float32", num_kvcache_blocks=64, max_model_len=128)
+    packed = LLM(path, attention_backend="cpu", **kwargs)
+    model = packed.engine.model_runner.model
+    assert packed.engine.model_runner.backend.packs_weights
+    layer = model.model.layers[0]
+    assert layer.self_attn.qkv_proj.weight is None and layer.mlp.down_proj.weight is None
+    assert model.lm_head.weight is None
+    assert model.model.embed_tokens.weight is not None
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = random_prompts(2, 4, 12, seed=2)
+    got = [o.outputs[0].token_ids for o in packed.generate(prompts, params, use_tqdm=False)]
+    reference = LLM(path, attention_backend="torch", **kwargs)
+    assert got == [o.outputs[0].token_ids for o in reference.generate(prompts, params, use_tqdm=False)]
 
 
 def test_missing_tensor_is_reported(tmp_path, tiny_model):

@@ -32,6 +32,9 @@ class Backend:
     preferred_block_size = 16
     # Whether decode steps may be captured in CUDA graphs with this backend.
     supports_cuda_graphs = True
+    # Whether prepare_linear/prepare_logits/prepare_moe keep their own (packed) copy of the weights,
+    # so that the layers can drop the loaded ones instead of holding every weight twice.
+    packs_weights = False
 
     def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
         self.device = device

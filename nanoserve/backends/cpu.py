@@ -115,6 +115,7 @@ class CPUBackend(Backend):
         self.kernels = cpu_kernels.CPUKernels(lib) if lib is not None else None
         self.attention_lib = lib if self.options.attention == "auto" and dtype in cpu_attention.DTYPE_CODES else None
         self.gemm = choose_gemm(self.options.gemm, dtype, self.kernels)
+        self.packs_weights = self.gemm != "native"
         # Attention without the C kernels: widen where bf16/fp16 matmuls are slow.
         lowp = dtype in (torch.bfloat16, torch.float16)
         self.attention_dtype = torch.float32 if lowp and not native_lowp_gemm(dtype) else None

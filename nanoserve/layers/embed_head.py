@@ -45,6 +45,8 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def process_weights_after_loading(self) -> None:
         self.gemm = self.backend.prepare_logits(self.weight)
+        if self.backend.packs_weights:
+            self.weight = None  # the GEMM holds its own copy (a tied embedding keeps the shared one)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 logits for the rows given ([num_rows, vocab]) on rank 0; None on other ranks."""

@@ -49,6 +49,8 @@ class LinearBase(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         self.gemm = self.backend.prepare_linear(self.weight, self.bias)
+        if self.backend.packs_weights:
+            self.weight = self.bias = None  # the GEMM holds its own copy
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.gemm(x)

@@ -70,6 +70,8 @@ class FusedMoE(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         self.experts = self.backend.prepare_moe(self.w13, self.w2)
+        if self.backend.packs_weights:
+            self.w13 = self.w2 = None  # the expert GEMMs hold their own copies
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = route(router_logits, self.top_k, self.renormalize)  # [num_tokens, top_k] each
