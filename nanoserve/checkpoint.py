@@ -55,3 +55,15 @@ def load_tokenizer(directory: str):
     if len(tokenizer) == 0:
         raise ValueError(f"the tokenizer in {directory!r} has an empty vocabulary")
     return tokenizer
+
+
+def read_generation_config(model_dir: str) -> dict:
+    return read_optional_json(os.path.join(model_dir, "generation_config.json"))
+
+
+def eos_token_ids(tokenizer, generation_config: dict) -> list[int]:
+    ids = generation_config.get("eos_token_id")
+    ids = ids if isinstance(ids, list) else ([ids] if ids is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids = [tokenizer.eos_token_id, *ids]
+    return list(dict.fromkeys(ids))

@@ -64,7 +64,7 @@ NO_EFFECT: dict[str, tuple[Callable[[Any], bool], str, str]] = {
 # ---- 3. refused unless off -------------------------------------------------------------------
 
 _NO_HUB = "nanoserve has no model hub: download the checkpoint (e.g. huggingface-cli download) and pass its directory"
-_NO_LORA = (
+NO_LORA = (
     "nanoserve has no LoRA adapters: merge the adapter into the weights (e.g. PEFT's merge_and_unload) "
     "and load the merged checkpoint"
 )
@@ -74,9 +74,9 @@ _NO_SPEC = "nanoserve has no speculative decoding; plain decoding with CUDA grap
 REFUSED: dict[str, tuple[tuple, str]] = {
     "quantization": ((None,), "nanoserve runs unquantized weights: choose dtype='bfloat16', 'float16' or 'float32'"),
     "kv_cache_dtype": (("auto",), "the KV cache is kept in the model dtype: choose it with dtype"),
-    "enable_lora": ((False,), _NO_LORA),
-    "max_loras": ((1,), _NO_LORA),
-    "max_lora_rank": ((16,), _NO_LORA),
+    "enable_lora": ((False,), NO_LORA),
+    "max_loras": ((1,), NO_LORA),
+    "max_lora_rank": ((16,), NO_LORA),
     "speculative_config": ((None,), _NO_SPEC),
     "speculative_model": ((None,), _NO_SPEC),
     "num_speculative_tokens": ((None,), _NO_SPEC),

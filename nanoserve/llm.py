@@ -10,13 +10,12 @@ from tqdm.auto import tqdm
 from nanoserve.chat import render_conversations
 from nanoserve.config import Config
 from nanoserve.engine.llm_engine import LLMEngine
-from nanoserve.engine_args import log_no_effect_once, refuse_unless_off, resolve_engine_args
+from nanoserve.engine_args import NO_LORA, log_no_effect_once, refuse_unless_off, resolve_engine_args
 from nanoserve.inputs import PromptType, TokensPrompt, parse_prompts
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.streaming import RequestError, generate_stream
 
-_NO_LORA = "nanoserve has no LoRA adapters: merge the adapter into the weights and load the merged checkpoint"
 # Arguments older vLLM versions' generate() took; accepted when they ask for nothing.
 _LEGACY_GENERATE_ARGS = {
     "prompt_adapter_request": "nanoserve has no prompt adapters",
@@ -156,7 +155,7 @@ class LLM:
                 raise TypeError(f"generate() got an unexpected keyword argument {name!r}")
             refuse_unless_off("generate()", name, value, (None,), _LEGACY_GENERATE_ARGS[name])
         if not isinstance(lora_request, (list, tuple)):
-            refuse_unless_off("generate()", "lora_request", lora_request, (None,), _NO_LORA)
+            refuse_unless_off("generate()", "lora_request", lora_request, (None,), NO_LORA)
 
     def _params_per_prompt(self, params, num_prompts: int) -> list[SamplingParams]:
         if params is None:
@@ -265,4 +264,4 @@ def _check_lora_list(lora_request: Any, num_prompts: int) -> None:
     if len(lora_request) != num_prompts:
         raise ValueError(f"got {len(lora_request)} lora_request entries for {num_prompts} prompts")
     for r in lora_request:
-        refuse_unless_off("generate()", "lora_request", r, (None,), _NO_LORA)
+        refuse_unless_off("generate()", "lora_request", r, (None,), NO_LORA)

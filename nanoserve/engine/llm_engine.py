@@ -1,7 +1,6 @@
 """The engine loop: requests in, one scheduled step at a time, finished RequestOutputs out."""
 from __future__ import annotations
 
-import os
 import random
 import time
 from collections.abc import Iterator
@@ -9,7 +8,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from nanoserve.checkpoint import load_tokenizer, read_optional_json
+from nanoserve.checkpoint import eos_token_ids, load_tokenizer, read_generation_config
 from nanoserve.config import Config
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.detokenizer import IncrementalDetokenizer
@@ -52,18 +51,6 @@ class StepStats:
     num_decode_tokens: int = 0
     finished: list[RequestOutput] = field(default_factory=list)
     entries: list[StepEntry] = field(default_factory=list)
-
-
-def read_generation_config(model_dir: str) -> dict:
-    return read_optional_json(os.path.join(model_dir, "generation_config.json"))
-
-
-def eos_token_ids(tokenizer, generation_config: dict) -> list[int]:
-    ids = generation_config.get("eos_token_id")
-    ids = ids if isinstance(ids, list) else ([ids] if ids is not None else [])
-    if tokenizer.eos_token_id is not None:
-        ids = [tokenizer.eos_token_id, *ids]
-    return list(dict.fromkeys(ids))
 
 
 class LLMEngine:

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from nanoserve.utils.cache import cache_root
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
@@ -47,8 +49,7 @@ _lock = threading.Lock()
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("NANOSERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "nanoserve")
-    return Path(root) / "kernels"
+    return Path(cache_root()) / "kernels"
 
 
 def _cpu_fingerprint() -> str:

@@ -14,6 +14,7 @@ import tempfile
 
 import torch
 
+from nanoserve.utils.cache import cache_root
 from nanoserve.utils.tiny_configs import (
     ARCHITECTURES,
     LLAMA_3_2_1B,
@@ -167,8 +168,7 @@ def default_model_dir(name: str = "tiny-qwen3") -> str:
     """Where ensure_tiny_checkpoint keeps `name`: $NANOSERVE_CACHE/<name>, else ~/.cache/nanoserve/<name>."""
     if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or os.sep in name:
         raise ValueError(f"name must be a plain directory name, got {name!r}")
-    root = os.environ.get("NANOSERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "nanoserve")
-    return os.path.join(root, name)
+    return os.path.join(cache_root(), name)
 
 
 def _fingerprint(arch: str, kwargs: dict) -> dict:
