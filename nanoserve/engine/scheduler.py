@@ -171,9 +171,9 @@ class Scheduler:
         """Drop these sequences (one request's samples) wherever they are and give back their blocks.
 
         Samples not yet forked from their parent sit in no queue and hold no blocks; they are
-        only marked finished.
+        only marked finished. Called between steps, when nothing published is uncommitted (a step
+        that fails mid-way aborts everything through abort_all).
         """
-        self.block_manager.rollback()  # blocks published for a step that never ran (no-op between steps)
         for seq in seqs:
             if seq.is_finished:
                 continue
