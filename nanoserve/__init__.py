@@ -4,7 +4,7 @@ from nanoserve.inputs import TextPrompt, TokensPrompt
 from nanoserve.llm import LLM
 from nanoserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.streaming import RequestError
+from nanoserve.engine.input_processor import RequestError
 
 __all__ = [
     "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "Logprob", "Config",

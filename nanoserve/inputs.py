@@ -45,16 +45,12 @@ PromptType = Union[str, list[int], TextPrompt, TokensPrompt]
 EXTRA_PROMPT_KEYS = tuple(_PromptExtras.__annotations__)
 
 
-def parse_prompts(prompts) -> list[tuple[str | None, list[int] | None]]:
-    """Any accepted `prompts` -> one (text, token ids) pair per prompt; one of the two may be None."""
-    return [parse_prompt(p, i) for i, p in enumerate(_as_prompt_list(prompts))]
-
-
 def _is_token_id(x) -> bool:
     return isinstance(x, Integral) and not isinstance(x, bool)
 
 
-def _as_prompt_list(prompts) -> list:
+def as_prompt_list(prompts) -> list:
+    """Any accepted `prompts` of `generate` -> a list with one prompt per entry."""
     if isinstance(prompts, (str, dict)):
         return [prompts]
     if not isinstance(prompts, Sequence) or isinstance(prompts, bytes):

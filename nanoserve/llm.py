@@ -1,28 +1,29 @@
 """`LLM`: the user-facing facade, with vLLM's names so scripts can switch between the two."""
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import itertools
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from nanoserve.chat import render_conversations
 from nanoserve.config import Config
+from nanoserve.engine.input_processor import RequestError, encode_kwargs
 from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.engine.request_stream import default_max_inflight, stream_requests
 from nanoserve.engine_args import NO_LORA, log_no_effect_once, refuse_unless_off, resolve_engine_args
-from nanoserve.inputs import PromptType, TokensPrompt, parse_prompts
+from nanoserve.inputs import PromptType, as_prompt_list
 from nanoserve.outputs import RequestOutput
+from nanoserve.progress import ProgressBar
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.streaming import RequestError, generate_stream
 
 # Arguments older vLLM versions' generate() took; accepted when they ask for nothing.
 _LEGACY_GENERATE_ARGS = {
     "prompt_adapter_request": "nanoserve has no prompt adapters",
     "guided_options_request": "nanoserve has no guided decoding",
 }
-# tokenization_kwargs keys nanoserve honours (they go to tokenizer.encode).
-_TOKENIZATION_KEYS = ("add_special_tokens",)
+_MISSING = object()
 
 
 class LLM:
@@ -79,19 +80,18 @@ class LLM:
         `lora_request` must be None and `priority` None or all 0 (no LoRA, first-come-first-served).
         """
         self._check_generate_options(lora_request, legacy)
-        parsed = parse_prompts(prompts)
-        encode_kwargs = _encode_kwargs(tokenization_kwargs)
-        token_prompts = [(text, ids if ids is not None else self.tokenizer.encode(text, **encode_kwargs))
-                         for text, ids in parsed]
-        params = self._params_per_prompt(sampling_params, len(token_prompts))
-        _check_priority(priority, len(token_prompts))
-        _check_lora_list(lora_request, len(token_prompts))
-        specs = [self.engine.validate_request(ids, p) for (_, ids), p in zip(token_prompts, params)]
-        with self.engine.exclusive("generate()"):
-            request_ids = [self.engine.add_request(ids, p, text, spec)
-                           for (text, ids), p, spec in zip(token_prompts, params, specs)]
-            outputs = self._run_engine(use_tqdm)
-        return [outputs[rid] for rid in request_ids]
+        prompts = as_prompt_list(prompts)
+        params = self._params_per_prompt(sampling_params, len(prompts))
+        _check_priority(priority, len(prompts))
+        _check_lora_list(lora_request, len(prompts))
+        prepare = self.engine.input_processor.prepare
+        requests = [(i, prepare(prompt, p, i, tokenization_kwargs)) for i, (prompt, p) in enumerate(zip(prompts, params))]
+        bar = ProgressBar(self.engine, len(requests), use_tqdm)
+        try:
+            results = dict(stream_requests(self.engine, requests, len(requests), bar, "generate()"))
+        finally:
+            bar.close()
+        return [results[i] for i in range(len(requests))]
 
     def generate_stream(
         self,
@@ -100,6 +100,7 @@ class LLM:
         *,
         max_inflight: int | None = None,
         use_tqdm: bool = True,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> Iterator[tuple[int, RequestOutput | RequestError]]:
         """Yield `(index, RequestOutput)` for each prompt as it finishes, reading `prompts` lazily.
 
@@ -107,44 +108,46 @@ class LLM:
         memory does not grow with the input. A prompt or SamplingParams that `generate` would
         reject yields `(index, RequestError)` with the same message instead of raising.
         `sampling_params` is one SamplingParams for all, or an iterable read in step with
-        `prompts`. Closing the generator early aborts the requests in flight. See
-        nanoserve/streaming.py.
+        `prompts`. Closing the generator early aborts the requests in flight.
         """
-        return generate_stream(self, prompts, sampling_params, max_inflight, use_tqdm)
+        if isinstance(prompts, (str, bytes, dict)) or not isinstance(prompts, Iterable):
+            raise TypeError(
+                f"prompts must be an iterable of prompts (wrap a single prompt in a list), got {type(prompts).__name__}"
+            )
+        if max_inflight is None:
+            max_inflight = default_max_inflight(self.config.max_num_seqs)
+        if not isinstance(max_inflight, int) or isinstance(max_inflight, bool):
+            raise TypeError(f"max_inflight must be an int, got {max_inflight!r}")
+        if max_inflight < 1:
+            raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
+        encode_kwargs(tokenization_kwargs)
+        params, lockstep = self._params_source(sampling_params)
+        items = self._stream_items(prompts, params, lockstep, tokenization_kwargs)
+        total = len(prompts) if isinstance(prompts, Sized) else None
+        return self._stream_with_progress(items, max_inflight, total, use_tqdm)
 
-    def _run_engine(self, use_tqdm: bool | Callable[..., tqdm]) -> dict[str, RequestOutput]:
-        outputs: dict[str, RequestOutput] = {}
-        total = len(self.engine.requests)
-        make_bar = use_tqdm if callable(use_tqdm) else tqdm
-        bar = make_bar(total=total, desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
-        prefill_tokens = decode_tokens = 0
-        prefill_time = decode_time = 0.0
+    def _stream_items(self, prompts, params: Iterator[Any], lockstep: bool, tokenization_kwargs):
+        prepare = self.engine.input_processor.prepare_or_error
+        for i, prompt in enumerate(prompts):
+            p = next(params, _MISSING)
+            if p is _MISSING:
+                yield i, RequestError(f"sampling_params ran out at prompt {i}; pass one, or one per prompt")
+            else:
+                yield i, prepare(prompt, p, i, tokenization_kwargs)
+        if lockstep and next(params, _MISSING) is not _MISSING:
+            raise ValueError("sampling_params has more entries than prompts; pass one, or one per prompt")
+
+    def _stream_with_progress(self, items, max_inflight: int, total: int | None, use_tqdm: bool):
+        bar = ProgressBar(self.engine, total, use_tqdm)
+        results = stream_requests(self.engine, items, max_inflight, bar)
         try:
-            while not self.engine.is_finished():
-                start = time.perf_counter()
-                stats = self.engine.step()
-                elapsed = time.perf_counter() - start
-                # A mixed step's time is split between prefill and decode by token share.
-                tokens = stats.num_prefill_tokens + stats.num_decode_tokens
-                prefill_time += elapsed * stats.num_prefill_tokens / tokens
-                decode_time += elapsed * stats.num_decode_tokens / tokens
-                prefill_tokens += stats.num_prefill_tokens
-                decode_tokens += stats.num_decode_tokens
-                for out in stats.finished:
-                    outputs[out.request_id] = out
-                bar.update(len(stats.finished))
-                bar.set_postfix(
-                    prefill=f"{prefill_tokens / max(prefill_time, 1e-9):.0f}tok/s",
-                    decode=f"{decode_tokens / max(decode_time, 1e-9):.0f}tok/s",
-                )
-            if use_tqdm:
-                bar.set_postfix_str(f"{bar.postfix}, prefix-cache hit rate={self.prefix_cache_hit_rate:.1%}")
-        except BaseException:
-            self.engine.abort_all()  # leave the engine usable and every block free
-            raise
+            for key, result in results:
+                if isinstance(result, RequestError):
+                    bar.skip()
+                yield key, result
         finally:
+            results.close()  # abort in-flight requests now, not whenever the inner generator is collected
             bar.close()
-        return outputs
 
     # ---- inputs ----------------------------------------------------------------------------
 
@@ -157,21 +160,25 @@ class LLM:
         if not isinstance(lora_request, (list, tuple)):
             refuse_unless_off("generate()", "lora_request", lora_request, (None,), NO_LORA)
 
-    def _params_per_prompt(self, params, num_prompts: int) -> list[SamplingParams]:
-        if params is None:
-            return [self.get_default_sampling_params()] * num_prompts
-        if isinstance(params, SamplingParams):
-            return [params] * num_prompts
-        if isinstance(params, (list, tuple)):
-            if len(params) != num_prompts:
-                raise ValueError(
-                    f"got {len(params)} sampling_params for {num_prompts} prompts; pass one, or one per prompt"
-                )
-            for p in params:
-                if not isinstance(p, SamplingParams):
-                    raise TypeError(f"sampling_params entries must be SamplingParams, got {type(p).__name__}")
-            return list(params)
-        raise TypeError(f"sampling_params must be SamplingParams or a list of them, got {type(params).__name__}")
+    def _params_per_prompt(self, params, num_prompts: int) -> list:
+        """One SamplingParams per prompt (each entry is type-checked when its request is prepared)."""
+        if params is None or isinstance(params, SamplingParams):
+            return [params or self.get_default_sampling_params()] * num_prompts
+        if not isinstance(params, (list, tuple)):
+            raise TypeError(f"sampling_params must be SamplingParams or a list of them, got {type(params).__name__}")
+        if len(params) != num_prompts:
+            raise ValueError(f"got {len(params)} sampling_params for {num_prompts} prompts; pass one, or one per prompt")
+        return list(params)
+
+    def _params_source(self, params) -> tuple[Iterator[Any], bool]:
+        """generate_stream's SamplingParams for each prompt, and whether they come one per prompt."""
+        if params is None or isinstance(params, SamplingParams):
+            return itertools.repeat(params or self.get_default_sampling_params()), False
+        if isinstance(params, (str, bytes, dict)) or not isinstance(params, Iterable):
+            raise TypeError(
+                f"sampling_params must be SamplingParams or an iterable of them (one per prompt), got {type(params).__name__}"
+            )
+        return iter(params), True
 
     # ---- chat and cache ----------------------------------------------------------------------
 
@@ -203,9 +210,8 @@ class LLM:
             tools=tools, chat_template_kwargs=chat_template_kwargs,
         )
         # The template already wrote every special token: do not let the tokenizer add a BOS.
-        encode_kwargs = {"add_special_tokens": False, **_encode_kwargs(tokenization_kwargs)}
-        prompts = [TokensPrompt(prompt_token_ids=self.tokenizer.encode(t, **encode_kwargs), prompt=t) for t in texts]
-        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
+        return self.generate(texts, sampling_params, use_tqdm, lora_request,
+                             tokenization_kwargs={"add_special_tokens": False, **encode_kwargs(tokenization_kwargs)})
 
     @property
     def prefix_cache_stats(self) -> dict[str, float]:
@@ -232,17 +238,6 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _encode_kwargs(tokenization_kwargs: dict[str, Any] | None) -> dict[str, Any]:
-    if tokenization_kwargs is None:
-        return {}
-    if not isinstance(tokenization_kwargs, dict):
-        raise TypeError(f"tokenization_kwargs must be a dict or None, got {type(tokenization_kwargs).__name__}")
-    unsupported = sorted(set(tokenization_kwargs) - set(_TOKENIZATION_KEYS))
-    if unsupported:
-        raise ValueError(f"tokenization_kwargs {unsupported} are not supported; nanoserve takes {_TOKENIZATION_KEYS}")
-    return dict(tokenization_kwargs)
 
 
 def _check_priority(priority: list[int] | None, num_prompts: int) -> None:

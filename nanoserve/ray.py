@@ -23,7 +23,8 @@ from typing import Any
 from nanoserve.chat import render_conversations
 from nanoserve.llm import LLM
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.streaming import RequestError, default_max_inflight, prepare_request, stream_requests
+from nanoserve.engine.input_processor import RequestError
+from nanoserve.engine.request_stream import default_max_inflight, stream_requests
 
 OUTPUT_COLUMNS = ("generated_text", "generated_tokens", "num_generated_tokens", "num_input_tokens", "finish_reason")
 ERROR_COLUMN = "__inference_error__"  # Ray's name, for rows kept with should_continue_on_error
@@ -68,7 +69,8 @@ class LLMPredictor:
         for i in range(num_rows):
             row = {name: values[i] for name, values in columns.items()}
             try:
-                request = prepare_request(self.llm, i, self._prompt(row), self._params(row))
+                prompt, tokenization_kwargs = self._prompt(row)
+                request = self.llm.engine.input_processor.prepare(prompt, self._params(row), i, tokenization_kwargs)
             except (TypeError, ValueError) as e:
                 request = RequestError(str(e), type(e))
             if isinstance(request, RequestError) and not self.should_continue_on_error:
@@ -96,15 +98,15 @@ class LLMPredictor:
             out[ERROR_COLUMN] = errors
         return out
 
-    def _prompt(self, row: dict) -> Any:
-        """What generate_stream takes: text, token ids, or a chat rendered to token ids."""
+    def _prompt(self, row: dict) -> tuple[Any, dict | None]:
+        """(prompt, tokenization_kwargs): text or token ids, or a chat rendered by its template."""
         messages = _plain(row.get("messages"))
         if messages is None:
             if row.get("prompt") is None:
                 raise ValueError("a row needs a `prompt` (text or token ids) or `messages` column")
-            return _plain(row["prompt"])
+            return _plain(row["prompt"]), None
         (text,) = render_conversations(self.llm.tokenizer, [messages], chat_template_kwargs=self.chat_template_kwargs)
-        return {"prompt_token_ids": self.llm.tokenizer.encode(text, add_special_tokens=False)}
+        return text, {"add_special_tokens": False}  # the template wrote every special token
 
     def _params(self, row: dict) -> SamplingParams:
         """The shared sampling_params updated with the row's; null keys are absent (Arrow fills them in)."""

@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+from nanoserve import SamplingParams
 from nanoserve.engine.detokenizer import IncrementalDetokenizer
 from nanoserve.utils.tiny_checkpoint import build_tiny_qwen3
 
@@ -140,6 +141,7 @@ def test_skip_special_tokens(tok, skip):
         assert detok.output_text.endswith("Hi!<|im_end|><|endoftext|>")
 
 
-def test_empty_stop_string_is_rejected(tok):
-    with pytest.raises(ValueError, match="stop"):
-        IncrementalDetokenizer(tok, [], [""], False, True)
+def test_empty_stop_string_is_rejected():
+    # Checked once, by SamplingParams (the detokenizer trusts what the engine accepted).
+    with pytest.raises(ValueError, match="stop strings must be non-empty"):
+        SamplingParams(stop=[""])

@@ -242,7 +242,7 @@ def test_body_fields_map_to_sampling_params_as_vllm(builder):
 @pytest.mark.parametrize("url", ["/v1/chat/completions", "/v1/completions"])
 def test_response_logprobs_are_the_engines(builder, url):
     from nanoserve.entrypoints.openai_response import result_record
-    from nanoserve.streaming import stream_requests
+    from nanoserve.engine.request_stream import stream_requests
 
     body = {"temperature": 0, "max_tokens": 4, "ignore_eos": True}
     body.update({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2}

@@ -411,13 +411,9 @@ def test_user_errors_raise_value_error():
     meta = build([row()], 10)
     with pytest.raises(ValueError):
         sampler(torch.zeros(2, 10), meta)
-    # Request fields are checked once, when the request's spec is made for the model, never per
-    # step. Prompt token ids and the seeds of n > 1 samples are the engine's to check at
-    # add_request (tests/test_errors.py); generated tokens come from the model itself.
-    with pytest.raises(ValueError, match="stop_token_ids"):
-        SamplingSpec.from_params(SamplingParams(stop_token_ids=[10], min_tokens=1), 10, [])
-    with pytest.raises(ValueError, match="stop_token_ids"):
-        SamplingSpec.from_params(SamplingParams(stop_token_ids=[3, 10]), 10, [])
+    # Request fields are checked once, never per step: by SamplingParams alone, and against the
+    # model (vocab range of prompt and stop ids, n > 1 seeds) by the InputProcessor
+    # (tests/test_errors.py); generated tokens come from the model itself.
     with pytest.raises(ValueError, match="stop_token_ids"):
         SamplingParams(stop_token_ids=[-1])
     with pytest.raises(ValueError, match="seed"):

@@ -1,7 +1,8 @@
 """One driver for every workload: steps an LLM's engine and records what each step did.
 
-It uses the engine's public step loop only: `add_request`, `step()` and the `StepStats` it
-returns (`entries`: each scheduled sequence's cached and new tokens and whether it sampled).
+It runs the engine's one step loop (`RequestStream`) with requests prepared by the engine's
+`InputProcessor`, and reads each step's `StepStats` through the loop's `on_step` hook
+(`entries`: each scheduled sequence's cached and new tokens and whether it sampled).
 Requests with arrival k > 0 are added once every request present from the start has made k
 output tokens (or finished): the mixed and shared-prefix workloads use it.
 """
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.bench.workloads import Request, random_tokens
+from nanoserve.engine.request_stream import RequestStream
 from nanoserve.outputs import RequestOutput
 
 
@@ -60,29 +62,17 @@ def drive(llm: LLM, requests: list[Request], params: Callable[[Request], Samplin
         raise RuntimeError("drive() needs an idle engine")
     preempt0 = getattr(engine.scheduler, "num_preemptions", None)
     pending = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
-    index_of: dict[str, int] = {}
+    prepared = {i: engine.input_processor.prepare(r.prompt, params(r), i) for i, r in enumerate(requests)}
     produced = [0] * len(requests)
     outputs: dict[int, RequestOutput] = {}
     token_times: dict[int, list[float]] = {i: [] for i in range(len(requests))}
     steps: list[StepRecord] = []
     peak = total = None
+    index_of: dict[str, int] = {}  # engine request id -> request index, for the step entries
+    t0 = time.perf_counter()
 
-    def admit(progress: int) -> None:
-        while pending and requests[pending[0]].arrival <= progress:
-            i = pending.pop(0)
-            index_of[engine.add_request(requests[i].prompt, params(requests[i]))] = i
-
-    def progress_of_first_wave() -> int:
-        return min((produced[i] if i not in outputs else 1 << 30 for i in range(len(requests))
-                    if requests[i].arrival == 0), default=1 << 30)
-
-    start = time.perf_counter()
-    admit(0)
-    while pending or not engine.is_finished():
-        if engine.is_finished():  # nothing running: let the next arrival in
-            admit(requests[pending[0]].arrival)
-        t0 = time.perf_counter()
-        stats = engine.step()
+    def on_step(stats) -> None:
+        nonlocal t0, peak, total
         now = time.perf_counter()
         entries = [(e.num_computed_tokens, e.num_new_tokens, e.sampled) for e in stats.entries]
         steps.append(StepRecord(now - t0, stats.num_prefill_tokens, stats.num_decode_tokens, entries))
@@ -91,13 +81,29 @@ def drive(llm: LLM, requests: list[Request], params: Callable[[Request], Samplin
                 i = index_of[e.request_id]
                 produced[i] += 1
                 token_times[i].append(now)
-        for out in stats.finished:
-            outputs[index_of[out.request_id]] = out
         usage = _blocks_in_use(engine)
         if usage is not None:
             peak, total = max(peak or 0, usage[0]), usage[1]
-        if pending:
-            admit(progress_of_first_wave())
+
+    def admit(stream: RequestStream, progress: int) -> None:
+        while pending and requests[pending[0]].arrival <= progress:
+            i = pending.pop(0)
+            index_of[stream.add(i, prepared[i])] = i
+
+    def progress_of_first_wave() -> int:
+        return min((produced[i] if i not in outputs else 1 << 30 for i in range(len(requests))
+                    if requests[i].arrival == 0), default=1 << 30)
+
+    start = time.perf_counter()
+    with RequestStream(engine, on_step, "the benchmark driver") as stream:
+        admit(stream, 0)
+        while pending or stream.inflight:
+            if not stream.inflight:  # nothing running: let the next arrival in
+                admit(stream, requests[pending[0]].arrival)
+            t0 = time.perf_counter()
+            outputs.update(stream.step())
+            if pending:
+                admit(stream, progress_of_first_wave())
     wall = time.perf_counter() - start
     preempts = engine.scheduler.num_preemptions - preempt0 if preempt0 is not None else None
     return EngineRun([outputs[i] for i in range(len(requests))], steps, wall, token_times, peak, total, preempts)

@@ -28,14 +28,11 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool,
         min_tokens: int = 0,
     ) -> None:
-        stop = list(stop or [])
-        if not all(isinstance(s, str) and s for s in stop):
-            raise ValueError(f"stop must be a list of non-empty strings, got {stop!r}")
         self._tokenizer = tokenizer
         # The model's vocab may be larger than the tokenizer's; ids past it decode to "".
         self._num_known_ids = len(tokenizer)
         self._skip_special_tokens = skip_special_tokens
-        self._stop = stop
+        self._stop = list(stop or [])  # SamplingParams.validate checked them
         self._include_stop_str_in_output = include_stop_str_in_output
         self._min_tokens = min_tokens
         self._num_output_tokens = 0

@@ -12,11 +12,12 @@ from nanoserve.checkpoint import eos_token_ids, load_tokenizer, read_generation_
 from nanoserve.config import Config
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.detokenizer import IncrementalDetokenizer
+from nanoserve.engine.input_processor import EngineRequest, InputProcessor
 from nanoserve.engine.model_runner import ModelRunner, StepOutput, resolve_device
 from nanoserve.engine.scheduler import ScheduledBatch, Scheduler
 from nanoserve.engine.sequence import Sequence
+from nanoserve.inputs import PromptType
 from nanoserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from nanoserve.sampling import SamplingSpec
 from nanoserve.sampling_params import SamplingParams
 
 
@@ -56,10 +57,11 @@ class StepStats:
 class LLMEngine:
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.tokenizer = load_tokenizer(config.tokenizer)
+        tokenizer = load_tokenizer(config.tokenizer)
         self.generation_config = read_generation_config(config.model)
-        self.eos_token_ids = eos_token_ids(self.tokenizer, self.generation_config)
+        self.eos_token_ids = eos_token_ids(tokenizer, self.generation_config)
         self.vocab_size = config.hf_config["vocab_size"]
+        self.input_processor = InputProcessor(config, tokenizer, self.vocab_size, self.eos_token_ids)
         self.device = resolve_device(config.device)
         self.model_runner = self._make_runner()
         self.num_kvcache_blocks = self.model_runner.num_kvcache_blocks
@@ -99,48 +101,26 @@ class LLMEngine:
 
     # ---- requests --------------------------------------------------------------------------
 
+    @property
+    def tokenizer(self):
+        return self.input_processor.tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer) -> None:
+        self.input_processor.tokenizer = tokenizer
+
     def default_sampling_params(self) -> SamplingParams:
         """vLLM's behaviour: the checkpoint's generation_config.json sets the sampling defaults."""
         keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
         return SamplingParams(**{k: self.generation_config[k] for k in keys if k in self.generation_config})
 
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingSpec:
-        """Every check that can fail, before any work starts; returns the request's SamplingSpec."""
+    def add_request(self, request: EngineRequest | PromptType, params: SamplingParams | None = None) -> str:
+        """Queue a request prepared by `input_processor` (a raw prompt and params are prepared now)."""
         if self.is_closed:
             raise RuntimeError("this engine is closed (LLM.close() released its model and KV cache); build a new LLM")
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        params.validate()  # fields may have been set after construction, as vLLM's scripts do
-        if not prompt_token_ids:
-            raise ValueError("prompt is empty: a prompt needs at least one token")
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids must be ints in [0, {self.vocab_size}); got {bad[:5]}")
-        if len(prompt_token_ids) > self.config.max_model_len:
-            raise ValueError(
-                f"prompt has {len(prompt_token_ids)} tokens, longer than max_model_len={self.config.max_model_len}"
-            )
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise ValueError(
-                f"logprobs={params.logprobs} exceeds max_logprobs={self.config.max_logprobs}; "
-                "raise LLM(max_logprobs=...) to ask for more"
-            )
-        if params.n > self.config.max_num_seqs:
-            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
-        if params.seed is not None and params.seed + params.n - 1 >= 2**63:
-            raise ValueError(
-                f"seed must be in [0, {2**63 - params.n + 1}) for n={params.n} (sample i uses seed + i, "
-                f"which must stay below 2**63), got {params.seed}"
-            )
-        return SamplingSpec.from_params(params, self.vocab_size, self.eos_token_ids)
-
-    def add_request(
-        self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
-        spec: SamplingSpec | None = None,
-    ) -> str:
-        """Queue a request. `spec`: what validate_request returned for it (None: validate now)."""
-        if spec is None:
-            spec = self.validate_request(prompt_token_ids, params)
+        if not isinstance(request, EngineRequest):
+            request = self.input_processor.prepare(request, params)
+        prompt_token_ids, params, spec, prompt = request
         request_id = str(self._next_request_id)
         self._next_request_id += 1
         limit = max(self.config.max_model_len, len(prompt_token_ids) + 1)

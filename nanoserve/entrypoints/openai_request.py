@@ -17,7 +17,7 @@ from typing import Any
 from nanoserve.llm import LLM
 from nanoserve.chat import render_conversations
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.streaming import EngineRequest
+from nanoserve.engine.input_processor import EngineRequest
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -83,6 +83,7 @@ class RequestBuilder:
 
     def __init__(self, llm: LLM, model: str) -> None:
         self.llm = llm
+        self.processor = llm.engine.input_processor
         self.model = model
         self.model_names = {model, os.path.basename(os.path.normpath(model))}
         self.max_model_len = llm.config.max_model_len
@@ -104,13 +105,16 @@ class RequestBuilder:
             if body.get(field) is not None and not asks_nothing(body[field]):
                 raise ValueError(f"`{field}` is not supported by nanoserve run-batch (got {body[field]!r})")
         chat = url == CHAT_URL
-        token_ids = self._chat_prompt(body) if chat else self._completion_prompt(body)
+        prompt, add_special_tokens = self._chat_prompt(body) if chat else self._completion_prompt(body)
+        tokenization_kwargs = {"add_special_tokens": add_special_tokens}
+        _, token_ids = self.processor.tokenize(prompt, tokenization_kwargs=tokenization_kwargs)
         params = self._sampling_params(body, chat, len(token_ids))
-        return EngineRequest(token_ids, params, self.llm.engine.validate_request(token_ids, params))
+        return self.processor.prepare({"prompt_token_ids": token_ids}, params)
 
     # ---- prompts ---------------------------------------------------------------------------
 
-    def _chat_prompt(self, body: dict) -> list[int]:
+    def _chat_prompt(self, body: dict) -> tuple[str, bool]:
+        """(prompt, add_special_tokens): the rendered chat, whose template wrote the special tokens."""
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise TypeError(f"`chat_template_kwargs` must be an object, got {type(kwargs).__name__}")
@@ -119,14 +123,14 @@ class RequestBuilder:
             self.llm.tokenizer, [body.get("messages")], continue_final_message=continue_final,
             add_generation_prompt=_flag(body, "add_generation_prompt", not continue_final), chat_template_kwargs=kwargs,
         )
-        return self.llm.tokenizer.encode(text, add_special_tokens=_flag(body, "add_special_tokens", False))
+        return text, _flag(body, "add_special_tokens", False)
 
-    def _completion_prompt(self, body: dict) -> list[int]:
+    def _completion_prompt(self, body: dict) -> tuple[str | list[int], bool]:
         prompt = body.get("prompt")
         if isinstance(prompt, str):
-            return self.llm.tokenizer.encode(prompt, add_special_tokens=_flag(body, "add_special_tokens", True))
+            return prompt, _flag(body, "add_special_tokens", True)
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return list(prompt)
+            return list(prompt), True
         if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
             raise ValueError("`prompt` holds several prompts; run-batch takes one prompt per line")
         raise ValueError(f"`prompt` must be a non-empty string or a list of token ids, got {prompt!r:.80}")

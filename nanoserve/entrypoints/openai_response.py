@@ -14,7 +14,7 @@ import uuid
 
 from nanoserve.entrypoints.openai_request import CHAT_URL, ModelNotFoundError
 from nanoserve.outputs import CompletionOutput, Logprob, RequestOutput
-from nanoserve.streaming import RequestError
+from nanoserve.engine.input_processor import RequestError
 
 # vLLM's floor for -inf logprobs, which JSON cannot carry.
 _MIN_LOGPROB = -9999.0

@@ -21,7 +21,8 @@ from nanoserve.entrypoints.batch_output import FinishedWork, OutputWriter, scan_
 from nanoserve.entrypoints.openai_request import BatchLineError, ModelNotFoundError, RequestBuilder, parse_line
 from nanoserve.entrypoints.openai_response import error_record, result_record
 from nanoserve.llm import LLM
-from nanoserve.streaming import EngineRequest, RequestError, default_max_inflight, stream_requests
+from nanoserve.engine.input_processor import EngineRequest, RequestError
+from nanoserve.engine.request_stream import default_max_inflight, stream_requests
 
 EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE = 0, 1, 2
 

@@ -43,10 +43,7 @@ class SamplingSpec:
 
     @classmethod
     def from_params(cls, params: SamplingParams, vocab_size: int, eos_token_ids: list[int]) -> "SamplingSpec":
-        """Raises ValueError, naming the field, for a value out of range for this model."""
-        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids must be in [0, {vocab_size}) (the model's vocab_size), got {bad}")
+        """The sampler's view of params that InputProcessor.validate accepted for this model."""
         # top_k == 1 keeps only the max: exactly greedy, and cheaper (and exact under ties) that way.
         greedy = params.temperature < _MIN_TEMPERATURE or params.top_k == 1
         suppressed: tuple[int, ...] = ()
