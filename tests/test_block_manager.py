@@ -17,12 +17,10 @@ def make_seq(tokens: list[int]) -> Sequence:
 
 def admit(bm: BlockManager, seq: Sequence) -> bool:
     """What the scheduler does for a waiting sequence: adopt cached blocks, allocate the rest, compute."""
-    hits = bm.get_computed_blocks(seq)
-    n = seq.num_tokens - len(hits) * bm.block_size
-    if not bm.allocate_slots(seq, n, hits):
+    computed = bm.get_computed_blocks(seq)
+    if not bm.allocate_slots(seq, seq.num_tokens - computed.num_tokens, computed):
         return False
-    seq.num_computed_tokens += n
-    bm.cache_full_blocks(seq, seq.num_computed_tokens)
+    seq.num_computed_tokens = seq.num_tokens
     bm.commit()
     return True
 
@@ -52,10 +50,12 @@ def test_full_prompt_hit_still_computes_last_token(block_size):
     first = make_seq(prompt)
     assert admit(bm, first)
     second = make_seq(prompt)
-    hits = bm.get_computed_blocks(second)
-    assert hits == first.block_table[:2]  # the last block is recomputed so one token samples
-    assert bm.allocate_slots(second, block_size, hits)
-    assert second.num_computed_tokens == 2 * block_size
+    computed = bm.get_computed_blocks(second)
+    assert computed == (first.block_table[:2], 2 * block_size)  # the last block is recomputed so one token samples
+    assert bm.num_hit_tokens == 0 and bm.num_queried_tokens == len(prompt)  # counted on admission only
+    assert bm.allocate_slots(second, block_size, computed)
+    assert second.block_table[:2] == first.block_table[:2] and len(second.block_table) == 3
+    assert bm.num_hit_tokens == 2 * block_size and bm.num_queried_tokens == 2 * len(prompt)
     bm.check_integrity([first, second])
 
 
@@ -65,9 +65,9 @@ def test_hit_requires_same_prefix_chain():
     assert admit(bm, a)
     # Same second block, different first block: no hit at all.
     b = make_seq([0, 2, 3, 4, 5, 6, 7, 8, 9])
-    assert bm.get_computed_blocks(b) == []
+    assert bm.get_computed_blocks(b) == ([], 0)
     c = make_seq([1, 2, 3, 4, 5, 6, 7, 0, 9])
-    assert bm.get_computed_blocks(c) == a.block_table[:1]
+    assert bm.get_computed_blocks(c) == (a.block_table[:1], 4)
 
 
 def test_hash_collision_gives_no_wrong_hit(monkeypatch):
@@ -78,9 +78,9 @@ def test_hash_collision_gives_no_wrong_hit(monkeypatch):
     a = make_seq([1, 2, 3])
     assert admit(bm, a)
     b = make_seq([5, 6, 7])
-    assert bm.get_computed_blocks(b) == []
+    assert bm.get_computed_blocks(b) == ([], 0)
     d = make_seq([1, 2, 3])
-    assert bm.get_computed_blocks(d) == a.block_table[:1]
+    assert bm.get_computed_blocks(d) == (a.block_table[:1], 2)
 
 
 def test_hash_chain_depends_on_parent():
@@ -120,9 +120,9 @@ def test_hit_on_free_block_revives_it():
     cached = a.block_table[:2]
     bm.free(a)
     b = make_seq([1, 2, 3, 4, 9])
-    hits = bm.get_computed_blocks(b)
-    assert hits == cached
-    assert bm.allocate_slots(b, 1, hits)
+    computed = bm.get_computed_blocks(b)
+    assert computed.blocks == cached
+    assert bm.allocate_slots(b, 1, computed)
     assert all(bm.pool.blocks[x].ref_count == 1 for x in cached)
     assert not any(x in bm.pool.free_queue for x in cached)
     bm.check_integrity([b])
@@ -134,20 +134,19 @@ def test_decode_filled_blocks_are_cached():
     assert admit(bm, a)
     for token in (4, 5):  # decode: append a token, compute the previous one
         a.append_token(token)
-        assert bm.allocate_slots(a, 1)
+        assert bm.allocate_slots(a, 1)  # publishes the block this token fills
         a.num_computed_tokens += 1
-        bm.cache_full_blocks(a, a.num_computed_tokens)
         bm.commit()
     bm.free(a)
     follow_up = make_seq([1, 2, 3, 4, 5, 6, 7])
-    assert len(bm.get_computed_blocks(follow_up)) == 2
+    assert bm.get_computed_blocks(follow_up).num_tokens == 4
 
 
 def test_prefix_caching_disabled_never_hits():
     bm = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=False)
     a = make_seq([1, 2, 3, 4, 5])
     assert admit(bm, a)
-    assert bm.get_computed_blocks(make_seq([1, 2, 3, 4, 5])) == []
+    assert bm.get_computed_blocks(make_seq([1, 2, 3, 4, 5])) == ([], 0)
     assert not bm.pool.hash_index
 
 
@@ -156,7 +155,7 @@ def test_fork_shares_prompt_blocks():
     parent = make_seq([1, 2, 3, 4, 5])
     assert admit(bm, parent)
     child = make_seq([1, 2, 3, 4, 5])
-    bm.fork(parent, child)
+    child.num_computed_tokens = bm.fork(parent, child)
     assert child.block_table == parent.block_table[:2] and child.num_computed_tokens == 4
     assert bm.allocate_slots(child, 1)
     bm.check_integrity([parent, child])
@@ -177,23 +176,20 @@ class BlockManagerMachine(RuleBasedStateMachine):
         bs = self.bm.block_size
         for p in range(start, seq.num_computed_tokens):
             self.written[seq.block_table[p // bs] * bs + p % bs] = (seq.token_ids[p], p)
-        self.bm.cache_full_blocks(seq, seq.num_computed_tokens)
         self.bm.commit()
 
     def _admit(self, seq: Sequence) -> bool:
         bs = self.bm.block_size
-        hits = self.bm.get_computed_blocks(seq)
-        for i, block in enumerate(hits):  # a hit must hold exactly our tokens at our positions
+        computed = self.bm.get_computed_blocks(seq)
+        for i, block in enumerate(computed.blocks):  # a hit must hold exactly our tokens at our positions
             for p in range(i * bs, (i + 1) * bs):
                 assert self.written[block * bs + p % bs] == (seq.token_ids[p], p)
         free_before = self.bm.num_free_blocks
-        n = seq.num_tokens - len(hits) * bs
-        if not self.bm.allocate_slots(seq, n, hits):
+        if not self.bm.allocate_slots(seq, seq.num_tokens - computed.num_tokens, computed):
             assert seq.block_table == [] and self.bm.num_free_blocks == free_before
             return False
-        start = seq.num_computed_tokens
-        seq.num_computed_tokens += n
-        self._compute(seq, start)
+        seq.num_computed_tokens = seq.num_tokens
+        self._compute(seq, computed.num_tokens)
         return True
 
     @rule(prefix=st.sampled_from([[], [7, 7, 7], [7, 7, 7, 1, 2, 3]]), tail=st.lists(st.integers(0, 3), min_size=1, max_size=8),
@@ -202,11 +198,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         """Blocks published when scheduled, then the step raises (rollback) or the sequence leaves
         before its forward pass (free): no later hit may find them."""
         seq = make_seq(prefix + tail)
-        hits = self.bm.get_computed_blocks(seq)
-        n = seq.num_tokens - len(hits) * self.bm.block_size
-        if not self.bm.allocate_slots(seq, n, hits):
+        computed = self.bm.get_computed_blocks(seq)
+        if not self.bm.allocate_slots(seq, seq.num_tokens - computed.num_tokens, computed):  # publishes
             return
-        self.bm.cache_full_blocks(seq, seq.num_computed_tokens + n)
         if step_fails:
             self.bm.rollback()
         self.bm.free(seq)
@@ -227,9 +221,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             seq.num_computed_tokens += 1
             self._compute(seq, seq.num_computed_tokens - 1)
         else:  # out of blocks: preempt it, as the scheduler would
-            self.bm.free(seq)
-            self.live.remove(seq)
-            self.preempted.append(seq)
+            self._preempt(seq)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -242,8 +234,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.live)
     @rule(data=st.data())
     def preempt(self, data):
-        seq = data.draw(st.sampled_from(self.live))
+        self._preempt(data.draw(st.sampled_from(self.live)))
+
+    def _preempt(self, seq: Sequence) -> None:
         self.bm.free(seq)
+        seq.num_computed_tokens = 0  # the scheduler's job: the block manager never writes it
         self.live.remove(seq)
         self.preempted.append(seq)
 
@@ -261,7 +256,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def fork(self, data):
         parent = data.draw(st.sampled_from(self.live))
         child = make_seq(parent.token_ids)
-        self.bm.fork(parent, child)
+        child.num_computed_tokens = self.bm.fork(parent, child)
         n = child.num_uncomputed_tokens
         if self.bm.allocate_slots(child, n):
             start = child.num_computed_tokens

@@ -13,6 +13,7 @@ points at K/V that was not written.
 from __future__ import annotations
 
 import array
+from typing import NamedTuple
 
 import xxhash
 
@@ -26,6 +27,11 @@ def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
         h.update(parent_hash.to_bytes(8, "little"))
     h.update(array.array("q", token_ids).tobytes())
     return h.intdigest()
+
+
+class ComputedBlocks(NamedTuple):
+    blocks: list[int]  # cached blocks holding a sequence's leading tokens
+    num_tokens: int  # the tokens they hold
 
 
 class BlockManager:
@@ -63,15 +69,14 @@ class BlockManager:
     def _block_tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:
         return tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
 
-    def get_computed_blocks(self, seq: Sequence) -> list[int]:
-        """Cached blocks that hold this sequence's leading tokens. Changes nothing.
+    def get_computed_blocks(self, seq: Sequence) -> ComputedBlocks:
+        """Cached blocks that hold this sequence's leading tokens, and how many tokens that is.
+        Changes nothing (the hit statistics count when allocate_slots admits the sequence).
 
         Capped so at least one token is left to compute: the step that computes it samples.
         """
-        if not self.enable_prefix_caching:
-            return []
-        max_blocks = (seq.num_tokens - 1) // self.block_size
         hits: list[int] = []
+        max_blocks = (seq.num_tokens - 1) // self.block_size if self.enable_prefix_caching else 0
         parent_uid = None
         for i, block_hash in enumerate(self._hashes(seq, max_blocks)):
             block_id = self.pool.lookup(block_hash, parent_uid, self._block_tokens(seq, i))
@@ -79,13 +84,9 @@ class BlockManager:
                 break
             hits.append(block_id)
             parent_uid = self.pool.blocks[block_id].uid
-        return hits
+        return ComputedBlocks(hits, len(hits) * self.block_size)
 
-    def record_lookup(self, seq: Sequence, num_hit_tokens: int) -> None:
-        self.num_queried_tokens += seq.num_tokens
-        self.num_hit_tokens += num_hit_tokens
-
-    def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+    def _cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Publish every block of `seq` whose tokens will all have K/V once this step has run
         (its first `num_tokens` tokens); they stay uncommitted until `commit`."""
         if not self.enable_prefix_caching:
@@ -122,36 +123,39 @@ class BlockManager:
 
     # ---- allocation ------------------------------------------------------------------------
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
-        """Make room for `num_new_tokens` more tokens of `seq`, adopting `computed_blocks` first.
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed: ComputedBlocks | None = None) -> bool:
+        """Make room for `num_new_tokens` more tokens of `seq` and publish the blocks they fill.
 
-        All or nothing: returns False and changes nothing when the blocks are not there.
+        `computed` (get_computed_blocks of a sequence with no blocks) admits it: its blocks are
+        adopted first and the lookup counts in the hit statistics, once per admission. All or
+        nothing: returns False and changes nothing when the blocks are not there.
         """
-        if computed_blocks:
-            assert not seq.block_table, "computed blocks are only adopted by a sequence with no blocks"
-        num_computed = seq.num_computed_tokens + len(computed_blocks) * self.block_size
-        num_needed = self.num_blocks_for(num_computed + num_new_tokens) - len(seq.block_table) - len(computed_blocks)
-        num_revived = sum(self.pool.blocks[b].ref_count == 0 for b in computed_blocks)
-        if num_needed + num_revived > self.pool.num_free_blocks:
-            return False
-        for block_id in computed_blocks:
+        hits, num_computed = computed if computed is not None else ([], seq.num_computed_tokens)
+        assert not (hits and seq.block_table), "computed blocks are only adopted by a sequence with no blocks"
+        num_needed = self.num_blocks_for(num_computed + num_new_tokens) - len(seq.block_table) - len(hits)
+        if num_needed + sum(self.pool.blocks[b].ref_count == 0 for b in hits) > self.pool.num_free_blocks:
+            return False  # (hits that nobody holds come off the free queue too)
+        for block_id in hits:
             self.pool.take(block_id)
-        seq.block_table.extend(computed_blocks)
+        seq.block_table.extend(hits)
         seq.block_table.extend(self.pool.allocate() for _ in range(max(num_needed, 0)))
-        seq.num_computed_tokens = num_computed
-        if computed_blocks:
-            self._num_cached_blocks[seq.seq_id] = len(computed_blocks)
+        if computed is not None:
+            self.num_queried_tokens += seq.num_tokens
+            self.num_hit_tokens += num_computed
+            self._num_cached_blocks[seq.seq_id] = len(hits)
+        self._cache_full_blocks(seq, num_computed + num_new_tokens)
         return True
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Let `child` (same prompt) share the parent's full prompt blocks through ref counts."""
+    def fork(self, parent: Sequence, child: Sequence) -> int:
+        """Let `child` (same prompt) share the parent's full prompt blocks through ref counts;
+        returns the tokens they hold (the child's computed tokens)."""
         num_shared = (child.num_tokens - 1) // self.block_size
         shared = parent.block_table[:num_shared]
         for block_id in shared:
             self.pool.take(block_id)
         child.block_table = list(shared)
-        child.num_computed_tokens = num_shared * self.block_size
         self._num_cached_blocks[child.seq_id] = min(self._num_cached_blocks.get(parent.seq_id, 0), num_shared)
+        return num_shared * self.block_size
 
     def free(self, seq: Sequence) -> None:
         """Return a sequence's blocks tail-first, so a chain's tail is evicted before its head."""
@@ -162,7 +166,6 @@ class BlockManager:
                 del self._uncommitted[block_id]
         self.pool.release(seq.block_table[::-1])
         seq.block_table = []
-        seq.num_computed_tokens = 0
         self._num_cached_blocks.pop(seq.seq_id, None)
 
     def forget(self, seq: Sequence) -> None:

@@ -88,7 +88,6 @@ class Scheduler:
                 preempted = True
                 if victim is seq:
                     return preempted
-            self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + n)
             seqs.append(seq)
             num_new.append(n)
             budget -= n
@@ -101,28 +100,28 @@ class Scheduler:
             seq = self.waiting[0]
             if len(self.running) + 1 + len(seq.children) > self.max_num_seqs:
                 break
-            hits = self.block_manager.get_computed_blocks(seq)
-            n = seq.num_tokens - len(hits) * self.block_manager.block_size
+            computed = self.block_manager.get_computed_blocks(seq)
+            n = seq.num_tokens - computed.num_tokens
             if n > budget:
                 if not chunked:
                     break
                 n = budget
-            if not self.block_manager.allocate_slots(seq, n, hits):
+            # Its full blocks are published now: a sequence scheduled after it in this step can hit them.
+            if not self.block_manager.allocate_slots(seq, n, computed):
                 break
-            self.block_manager.record_lookup(seq, len(hits) * self.block_manager.block_size)
+            seq.num_computed_tokens = computed.num_tokens
             if seq.num_cached_tokens is None:
-                seq.num_cached_tokens = len(hits) * self.block_manager.block_size
+                seq.num_cached_tokens = computed.num_tokens
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            # Published now: a sequence scheduled after this one in the same step can hit it.
-            self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + n)
             seqs.append(seq)
             num_new.append(n)
             budget -= n
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -151,7 +150,7 @@ class Scheduler:
         """Start a request's other n-1 samples on the parent's prompt blocks."""
         at = self.running.index(parent) + 1
         for child in parent.children:
-            self.block_manager.fork(parent, child)
+            child.num_computed_tokens = self.block_manager.fork(parent, child)
             child.num_cached_tokens = parent.num_cached_tokens
             child.status = SequenceStatus.RUNNING
         self.running[at:at] = parent.children
@@ -160,12 +159,7 @@ class Scheduler:
     def abort_all(self) -> None:
         """Drop every request (after an error mid-generate) and give back all their blocks."""
         self.block_manager.rollback()  # blocks published for a step that never ran (no-op between steps)
-        for seq in [*self.running, *self.waiting]:
-            self.block_manager.free(seq)
-            self.block_manager.forget(seq)
-            seq.status = SequenceStatus.FINISHED
-        self.running.clear()
-        self.waiting.clear()
+        self.abort([*self.running, *self.waiting])
 
     def abort(self, seqs: list[Sequence]) -> None:
         """Drop these sequences (one request's samples) wherever they are and give back their blocks.
@@ -186,7 +180,4 @@ class Scheduler:
             seq.status = SequenceStatus.FINISHED
 
     def finish(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        seq.status = SequenceStatus.FINISHED
-        self.block_manager.free(seq)
-        self.block_manager.forget(seq)
+        self.abort([seq])

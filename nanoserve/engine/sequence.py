@@ -21,6 +21,8 @@ class Sequence:
 
     `num_computed_tokens` chases `num_tokens`: tokens below it have K/V in the cache. A step
     schedules some new tokens; when the last one is the last known token, the step samples.
+    The Scheduler alone writes it (admission sets it to the prefix-cache hit, a step advances it,
+    preemption resets it); the BlockManager owns `block_table` and only reads the count.
     """
 
     def __init__(
