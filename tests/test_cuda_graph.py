@@ -19,6 +19,7 @@ from nanoserve.engine.cuda_graph import (
     select_bucket,
     static_buffer_shapes,
 )
+from nanoserve.engine.kv_cache_spec import KVCacheSpec
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.scheduler import ScheduledBatch
 from nanoserve.engine.sequence import Sequence
@@ -71,7 +72,7 @@ def test_static_buffer_sizing(max_num_seqs, max_model_len, block_size, width):
 
 def test_cuda_graph_runner_refuses_cpu():
     with pytest.raises(ValueError, match="CUDA"):
-        CUDAGraphRunner(torch.nn.Identity(), 4, 64, 16, torch.device("cpu"))
+        CUDAGraphRunner(torch.nn.Identity(), 4, KVCacheSpec(16, 64), torch.device("cpu"))
 
 
 # ---- padding a real decode step ------------------------------------------------------------

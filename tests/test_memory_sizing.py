@@ -11,6 +11,7 @@ import torch
 
 from nanoserve.config import Config
 from nanoserve.engine import memory
+from nanoserve.engine.kv_cache_spec import KVCacheSpec
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.warmup import decode_batch, prefill_batch
 
@@ -75,7 +76,9 @@ class FakeEngine:
             self.device, lambda: self.device.alloc(self.weights), lambda: self.transient(self.activations),
             (lambda: self.transient(self.graphs)) if use_graphs else None,
         )
-        blocks = memory.num_kv_blocks(profile, utilization, BLOCK_BYTES, BLOCKS_PER_SEQ, 1024)
+        available = profile.kv_cache_budget(utilization) // BLOCK_BYTES
+        spec = KVCacheSpec(1024 // BLOCKS_PER_SEQ, 1024).sized(available, 1024, BLOCK_BYTES, profile.describe(utilization))
+        blocks = spec.num_blocks  # 1024 sequences: never capped here
         self.kv_bytes = blocks * BLOCK_BYTES
         self.device.alloc(self.kv_bytes)
         return blocks

@@ -70,8 +70,8 @@ class TPModelRunner:
         return self.rank0.num_kvcache_blocks
 
     @property
-    def block_size(self) -> int:
-        return self.rank0.block_size
+    def kv_spec(self):
+        return self.rank0.kv_spec
 
     @property
     def backend(self):

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoserve.backends.metadata import AttentionMetadata
+from nanoserve.engine.kv_cache_spec import KVCacheSpec
 
 SMALL_BUCKETS = (1, 2, 4, 8, 16)
 BUCKET_STEP = 16
@@ -55,15 +56,11 @@ def select_bucket(batch_size: int, buckets: list[int]) -> int | None:
     return buckets[i] if i < len(buckets) else None
 
 
-def max_blocks_per_seq(max_model_len: int, block_size: int) -> int:
-    return (max_model_len + block_size - 1) // block_size
-
-
 def static_buffer_shapes(
     max_num_seqs: int, max_model_len: int, block_size: int
 ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """name -> (shape, dtype) of every static input buffer, sized for the largest bucket."""
-    n, width = max_num_seqs, max_blocks_per_seq(max_model_len, block_size)
+    n, width = max_num_seqs, KVCacheSpec(block_size, max_model_len).blocks_per_seq
     return {
         "input_ids": ((n,), torch.int64),
         "positions": ((n,), torch.int64),
@@ -164,13 +161,13 @@ class CUDAGraphRunner:
     """Captured decode graphs for one model's forward, one per bucket, replayed with padded static inputs."""
 
     def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
-                 max_num_seqs: int, max_model_len: int, block_size: int, device: torch.device) -> None:
+                 max_num_seqs: int, kv_spec: KVCacheSpec, device: torch.device) -> None:
         if device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
         self.forward = forward  # (input_ids, positions, meta) -> hidden states: the transformer body
         self.device = device
         self.buckets = graph_batch_sizes(max_num_seqs)
-        self.buffers = StaticBuffers.allocate(max_num_seqs, max_model_len, block_size, device)
+        self.buffers = StaticBuffers.allocate(max_num_seqs, kv_spec.max_model_len, kv_spec.block_size, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # bucket -> the hidden states its graph writes
         self.pool = None

@@ -64,13 +64,8 @@ class LLMEngine:
         self.input_processor = InputProcessor(config, tokenizer, self.vocab_size, self.eos_token_ids)
         self.device = resolve_device(config.device)
         self.model_runner = self._make_runner()
-        self.num_kvcache_blocks = self.model_runner.num_kvcache_blocks
-        self.block_size = self.model_runner.block_size  # the config's, or the backend's preferred one
-        try:
-            self._check_kv_cache_fits()
-        except ValueError:
-            self.model_runner.close()  # TP workers must not outlive a failed start
-            raise
+        self.kv_spec = self.model_runner.kv_spec  # block size and count, decided once (kv_cache_spec.py)
+        self.num_kvcache_blocks, self.block_size = self.kv_spec.num_blocks, self.kv_spec.block_size
         self.block_manager = BlockManager(self.num_kvcache_blocks, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill
@@ -88,16 +83,6 @@ class LLMEngine:
 
             return TPModelRunner(self.config, self.device)
         return ModelRunner(self.config, self.device)
-
-    def _check_kv_cache_fits(self) -> None:
-        block_size = self.block_size
-        needed = (self.config.max_model_len + block_size - 1) // block_size
-        if self.num_kvcache_blocks < needed:
-            raise ValueError(
-                f"the KV cache has {self.num_kvcache_blocks} blocks of {block_size} tokens, but one sequence of "
-                f"max_model_len={self.config.max_model_len} tokens needs {needed}; raise num_kvcache_blocks "
-                "(or the memory budget) or lower max_model_len"
-            )
 
     # ---- requests --------------------------------------------------------------------------
 

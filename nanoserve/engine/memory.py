@@ -104,17 +104,3 @@ def profile(
     free, total = mem.mem_get_info()
     return MemoryProfile(total, free, weights, activations, graphs)
 
-
-def num_kv_blocks(
-    profile: MemoryProfile, utilization: float, block_bytes: int, blocks_per_seq: int, max_model_len: int
-) -> int:
-    """Blocks the budget holds; a ValueError with the numbers when not even one sequence fits."""
-    blocks = profile.kv_cache_budget(utilization) // block_bytes
-    if blocks < blocks_per_seq:
-        raise ValueError(
-            f"not enough GPU memory for the KV cache: {profile.describe(utilization)}, but one sequence of "
-            f"max_model_len={max_model_len} needs {blocks_per_seq * block_bytes / GiB:.3f} GiB ({blocks_per_seq} "
-            f"blocks of {block_bytes} bytes). Raise gpu_memory_utilization, lower max_model_len or "
-            "max_num_batched_tokens, or close other engines on this GPU"
-        )
-    return blocks

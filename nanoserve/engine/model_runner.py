@@ -8,7 +8,7 @@ the prepared inputs to every rank between the first two (nanoserve/distributed/e
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -18,6 +18,7 @@ from nanoserve.config import Config
 from nanoserve.distributed.group import TPGroup
 from nanoserve.engine import memory as mem
 from nanoserve.engine import warmup
+from nanoserve.engine.kv_cache_spec import KVCacheSpec
 from nanoserve.engine.memory import CudaMemory, DeviceMemory
 from nanoserve.engine.model_inputs import ModelInputs, build_model_inputs, to_device
 from nanoserve.engine.scheduler import ScheduledBatch
@@ -71,28 +72,27 @@ class ModelRunner:
         self.backend = select_backend(
             device, self.dtype, config.attention_backend, config.kvcache_block_size, head_dim_of(cfg)
         )
-        self.block_size = config.kvcache_block_size or self.backend.preferred_block_size
-        self.blocks_per_seq = -(-config.max_model_len // self.block_size)
+        self.kv_spec = KVCacheSpec(config.kvcache_block_size or self.backend.preferred_block_size, config.max_model_len)
         self.sampler = Sampler()
         self.kv_cache = torch.empty(0)
         self._cuda_graphs = None  # decode CUDA graphs (cuda_graph.py), captured at the first decode step
         ctx = ModelContext(self.backend, tp or TPGroup())
         if memory is None and device.type == "cuda" and config.num_kvcache_blocks is None:
             memory = CudaMemory(device)
+        budget = None
         if memory is None:
             self._load_model(ctx)
-            num_blocks = self._configured_num_blocks()
+            available = self._configured_num_blocks()
         else:
             profile = mem.profile(
                 memory, lambda: self._load_model(ctx), self.profile_run,
                 self._decode_profile_run if self.uses_cuda_graphs else None,
             )
-            num_blocks = mem.num_kv_blocks(
-                profile, config.gpu_memory_utilization, self.kv_block_bytes, self.blocks_per_seq, config.max_model_len
-            )
-            logger.info("KV cache: %s", profile.describe(config.gpu_memory_utilization))
-        # Never more than every sequence at full length could use.
-        self.resize_kv_cache(min(num_blocks, config.max_num_seqs * self.blocks_per_seq))
+            available = profile.kv_cache_budget(config.gpu_memory_utilization) // self.kv_block_bytes
+            budget = profile.describe(config.gpu_memory_utilization)
+            logger.info("KV cache: %s", budget)
+        self.kv_spec = self.kv_spec.sized(available, config.max_num_seqs, self.kv_block_bytes, budget)
+        self._allocate_kv_cache(self.kv_spec.num_blocks)
 
     def _load_model(self, ctx: ModelContext) -> None:
         cfg = self.config.hf_config
@@ -117,6 +117,10 @@ class ModelRunner:
     # ---- KV cache --------------------------------------------------------------------------
 
     @property
+    def block_size(self) -> int:
+        return self.kv_spec.block_size
+
+    @property
     def num_kvcache_blocks(self) -> int:
         return self.kv_cache.shape[2] if self.kv_cache.dim() == 6 else 0
 
@@ -132,6 +136,11 @@ class ModelRunner:
         return int(self.config.cpu_kvcache_space_gib * 2**30 // self.kv_block_bytes)
 
     def resize_kv_cache(self, num_blocks: int) -> None:
+        """The cache with `num_blocks` blocks (tensor parallelism: the count every rank agreed on)."""
+        self.kv_spec = replace(self.kv_spec, num_blocks=num_blocks)
+        self._allocate_kv_cache(num_blocks)
+
+    def _allocate_kv_cache(self, num_blocks: int) -> None:
         """(Re)allocate the KV tensor with `num_blocks` blocks and bind every layer's views to it."""
         layer = self.attention_layers[0]
         for attn in self.attention_layers:  # drop the old views first, so the old cache can be freed
@@ -152,24 +161,24 @@ class ModelRunner:
         """A forward at max_num_batched_tokens tokens and a sampler pass at max_num_seqs rows with
         logprobs, over a scratch KV cache of one sequence (freed after)."""
         cfg = self.config
-        self.resize_kv_cache(self.blocks_per_seq)
+        self._allocate_kv_cache(self.kv_spec.blocks_per_seq)
         batch = warmup.prefill_batch(cfg.max_num_batched_tokens, cfg.max_model_len, cfg.max_num_seqs,
-                                     self.blocks_per_seq)
+                                     self.kv_spec.blocks_per_seq)
         self.execute(self.prepare_inputs(batch))
         hidden = torch.zeros(cfg.max_num_seqs, cfg.hf_config["hidden_size"], dtype=self.dtype, device=self.device)
         logits = self.model.compute_logits(hidden)
         if logits is not None:  # rank 0
             rows = warmup.sampling_rows(cfg.max_num_seqs, self.vocab_size, cfg.max_logprobs)
             self.sampler(logits, SamplingMetadata.build(rows, self.vocab_size, self.device))
-        self.resize_kv_cache(0)
+        self._allocate_kv_cache(0)
 
     @torch.inference_mode()
     def _decode_profile_run(self) -> None:
         """A decode of max_num_seqs sequences: what the CUDA graphs' shared pool will hold."""
-        self.resize_kv_cache(self.blocks_per_seq)
+        self._allocate_kv_cache(self.kv_spec.blocks_per_seq)
         inputs = to_device(self.prepare_inputs(warmup.decode_batch(self.config.max_num_seqs, 1)), self.device)
         self.forward(inputs.input_ids, inputs.positions, inputs.meta)
-        self.resize_kv_cache(0)
+        self._allocate_kv_cache(0)
 
     def close(self) -> None:
         """Release the model, the KV cache and the CUDA graphs (a second engine gets their memory). Idempotent."""
@@ -211,9 +220,7 @@ class ModelRunner:
         if not cuda_graph.is_decode_only(inputs):
             return None
         if self._cuda_graphs is None:
-            graphs = cuda_graph.CUDAGraphRunner(
-                self.forward, self.config.max_num_seqs, self.config.max_model_len, self.block_size, self.device
-            )
+            graphs = cuda_graph.CUDAGraphRunner(self.forward, self.config.max_num_seqs, self.kv_spec, self.device)
             graphs.capture()  # kept only when every bucket was captured: never replay a partial capture
             self._cuda_graphs = graphs
         return self._cuda_graphs if self._cuda_graphs.can_run(inputs) else None
