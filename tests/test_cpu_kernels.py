@@ -169,8 +169,8 @@ def test_qk_norm_rope_kernel_matches_modules(tokens):
     q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)  # strided views
     positions = torch.randint(0, 4096, (tokens,), generator=g)
     with torch.inference_mode():
-        ref_q, ref_k = REFERENCE.rotary(positions, q, k, cos_sin, head_dim, (q_weight, k_weight, eps))
-        got_q, got_k = KERNELS.qk_norm_rope(q, k, q_weight, k_weight, eps, positions, cos_sin, head_dim)
+        ref_q, ref_k = REFERENCE.qk_norm_rope(positions, q, k, cos_sin, q_weight, k_weight, eps)
+        got_q, got_k = KERNELS.qk_norm_rope(positions, q, k, cos_sin, q_weight, k_weight, eps)
     mismatches = _bf16_mismatches(got_q, ref_q) + _bf16_mismatches(got_k, ref_k)
     assert mismatches <= (ref_q.numel() + ref_k.numel()) // 1000
 

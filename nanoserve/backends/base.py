@@ -80,16 +80,19 @@ class Backend:
         k: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
         cos_sin: torch.Tensor,  # [max_positions, head_dim] float32: cos of each frequency, then sin
         head_dim: int,
-        qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,  # (q weight, k weight, eps)
     ) -> tuple[torch.Tensor, torch.Tensor]:  # [num_tokens, num_heads, head_dim], [num_tokens, num_kv_heads, head_dim]
-        """Neox-style RoPE (rotate halves), after a per-head RMSNorm of q and k when `qk_norm` is given (Qwen3)."""
-        q = q.unflatten(-1, (-1, head_dim))
-        k = k.unflatten(-1, (-1, head_dim))
-        if qk_norm is not None:
-            q_weight, k_weight, eps = qk_norm
-            q, k = _rms_norm(q, q_weight, eps), _rms_norm(k, k_weight, eps)
-        cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [num_tokens, 1, head_dim / 2]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        """Neox-style RoPE (rotate halves)."""
+        return _rope(positions, q.unflatten(-1, (-1, head_dim)), k.unflatten(-1, (-1, head_dim)), cos_sin)
+
+    def qk_norm_rope(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor,
+        q_weight: torch.Tensor,  # [head_dim]
+        k_weight: torch.Tensor,
+        eps: float,  # one for both norms
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A per-head RMSNorm of q and k, then RoPE (Qwen3), as one op a backend may fuse; shapes as `rotary`."""
+        q, k = q.unflatten(-1, (-1, q_weight.shape[0])), k.unflatten(-1, (-1, k_weight.shape[0]))
+        return _rope(positions, _rms_norm(q, q_weight, eps), _rms_norm(k, k_weight, eps), cos_sin)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)  # x: [num_tokens, 2 * intermediate]
@@ -142,6 +145,11 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
     return weight * x.to(dtype)
+
+
+def _rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor):
+    cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [num_tokens, 1, head_dim / 2]
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

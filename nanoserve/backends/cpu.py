@@ -151,13 +151,12 @@ class CPUBackend(Backend):
                 return fused
         return super().rms_norm(x, weight, eps, residual)
 
-    def rotary(self, positions, q, k, cos_sin, head_dim, qk_norm=None):
-        if self.kernels is not None and qk_norm is not None:
-            q_weight, k_weight, eps = qk_norm
-            fused = self.kernels.qk_norm_rope(q, k, q_weight, k_weight, eps, positions, cos_sin, head_dim)
+    def qk_norm_rope(self, positions, q, k, cos_sin, q_weight, k_weight, eps):
+        if self.kernels is not None:
+            fused = self.kernels.qk_norm_rope(positions, q, k, cos_sin, q_weight, k_weight, eps)
             if fused is not None:
                 return fused
-        return super().rotary(positions, q, k, cos_sin, head_dim, qk_norm)
+        return super().qk_norm_rope(positions, q, k, cos_sin, q_weight, k_weight, eps)
 
     # ---- attention ----------------------------------------------------------------------------
 

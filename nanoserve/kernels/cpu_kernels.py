@@ -140,16 +140,16 @@ class CPUKernels:
 
     def qk_norm_rope(
         self,
+        positions: torch.Tensor,  # [tokens] int64
         q: torch.Tensor,  # [tokens, num_q_heads * head_dim], rows may be strided (a slice of qkv)
         k: torch.Tensor,  # [tokens, num_k_heads * head_dim], same row stride as q
-        q_weight: torch.Tensor,
+        cos_sin: torch.Tensor,  # [max_pos, head_dim] float32
+        q_weight: torch.Tensor,  # [head_dim]
         k_weight: torch.Tensor,
         eps: float,
-        positions: torch.Tensor,  # [tokens] int64
-        cos_sin: torch.Tensor,  # [max_pos, head_dim] float32
-        head_dim: int,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """q_norm / k_norm per head then RoPE, for bf16; q [T, Hq, D], k [T, Hk, D] out, or None."""
+        head_dim = q_weight.shape[0]
         if not _usable(q, k, q_weight, k_weight) or cos_sin.dtype != torch.float32:
             return None
         if q.stride(-1) != 1 or k.stride(-1) != 1 or q.stride(0) != k.stride(0):

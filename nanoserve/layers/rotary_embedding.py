@@ -89,8 +89,5 @@ class RotaryEmbedding(nn.Module):
         positions: torch.Tensor,  # [num_tokens]
         q: torch.Tensor,  # [num_tokens, num_heads * head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
-        q_norm: nn.Module | None = None,  # per-head RMSNorms applied first (Qwen3)
-        k_norm: nn.Module | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # [num_tokens, num_heads, head_dim], [num_tokens, num_kv_heads, head_dim]
-        qk_norm = (q_norm.weight, k_norm.weight, q_norm.eps) if q_norm is not None else None  # one eps for both
-        return self.backend.rotary(positions, q, k, self.cos_sin, self.head_dim, qk_norm)
+        return self.backend.rotary(positions, q, k, self.cos_sin, self.head_dim)

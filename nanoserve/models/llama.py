@@ -39,13 +39,18 @@ class LlamaAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.rotary_emb = rope
+        self.backend = ctx.backend
         self.attn = Attention(self.num_heads, head_dim, self.num_kv_heads, head_dim**-0.5, ctx)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))  # [num_tokens, num_kv_heads, head_dim]
-        q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)  # [num_tokens, heads, head_dim] each
+        if self.q_norm is None:
+            q, k = self.rotary_emb(positions, q, k)  # [num_tokens, heads, head_dim] each
+        else:  # Qwen3: one op, fused where the backend can (one eps for both norms)
+            q, k = self.backend.qk_norm_rope(positions, q, k, self.rotary_emb.cos_sin, self.q_norm.weight,
+                                             self.k_norm.weight, self.q_norm.eps)
         out = self.attn(q, k, v, meta)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(out.flatten(1))
 
