@@ -18,6 +18,7 @@ import pytest
 from conftest import random_prompts
 from helpers import child_pids
 from nanoserve import LLM, SamplingParams
+from nanoserve.engine.runner import Runner
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
@@ -97,11 +98,12 @@ def test_ranks_agree_on_the_smallest_kv_cache(tiny_model):
     import torch
 
     from nanoserve.config import Config
-    from nanoserve.distributed.worker import agree_num_kvcache_blocks
+    from nanoserve.engine.tp_worker import agree_num_kvcache_blocks
     from nanoserve.engine.model_runner import ModelRunner
 
     config = Config(tiny_model, device="cpu", dtype="float32", num_kvcache_blocks=40, max_model_len=64)
     runner = ModelRunner(config, torch.device("cpu"))
+    assert isinstance(runner, Runner)
     assert agree_num_kvcache_blocks(runner, _OtherRankHas25Blocks()) == 25
     assert runner.num_kvcache_blocks == 25 and runner.kv_cache.shape[2] == 25
     assert all(a.k_cache.data_ptr() == runner.kv_cache[0, i].data_ptr() and a.k_cache.shape[0] == 25
@@ -134,10 +136,11 @@ def test_tp2_matches_tp1_and_hf(tp2, tiny_model, hf):
     assert len({t for row in tp2_tokens for t in row}) > 10, "outputs are degenerate"
     runner = tp2.engine.model_runner
     assert type(runner).__name__ == "TPModelRunner" and len(runner.worker_pids) == 1
+    assert isinstance(runner, Runner) and runner.kv_spec.num_blocks == runner.rank0.num_kvcache_blocks
     # Rank 0 holds one KV head of two, a half-width MLP and half the vocabulary.
-    attn = runner.attention_layers[0]
+    attn = runner.rank0.attention_layers[0]
     assert (attn.num_heads, attn.num_kv_heads) == (2, 1)
-    assert runner.kv_cache.shape[4] == 1
+    assert runner.rank0.kv_cache.shape[4] == 1
 
 
 def test_second_engine_while_first_alive_then_with_closes(tp2, tiny_model, hf):

@@ -14,6 +14,7 @@ from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.detokenizer import IncrementalDetokenizer
 from nanoserve.engine.input_processor import EngineRequest, InputProcessor
 from nanoserve.engine.model_runner import ModelRunner, StepOutput, resolve_device
+from nanoserve.engine.runner import Runner
 from nanoserve.engine.scheduler import ScheduledBatch, Scheduler
 from nanoserve.engine.sequence import Sequence
 from nanoserve.inputs import PromptType
@@ -77,9 +78,9 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._user: str | None = None  # who holds the engine (see exclusive)
 
-    def _make_runner(self) -> ModelRunner:
+    def _make_runner(self) -> Runner:
         if self.config.tensor_parallel_size > 1:
-            from nanoserve.distributed.executor import TPModelRunner
+            from nanoserve.engine.tp_runner import TPModelRunner  # spawns workers: TP engines only
 
             return TPModelRunner(self.config, self.device)
         return ModelRunner(self.config, self.device)

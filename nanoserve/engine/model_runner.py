@@ -3,7 +3,7 @@
 The KV cache is ONE tensor [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim];
 attention layers hold views of it. A step is three calls: `prepare_inputs` (host tensors),
 `execute` (forward pass, logits of the sampling rows), `sample`; a tensor-parallel engine sends
-the prepared inputs to every rank between the first two (nanoserve/distributed/executor.py).
+the prepared inputs to every rank between the first two (tp_runner.py).
 """
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 from nanoserve.config import Config
 from nanoserve.distributed import process_group
 from nanoserve.distributed.channel import recv_message, send_message
-from nanoserve.distributed.worker import worker_main
+from nanoserve.engine.tp_worker import worker_main
 
 STARTUP_TIMEOUT_S = 900.0  # building a worker's model (loading its shard) must finish in this
 JOIN_TIMEOUT_S = 10.0  # close(): how long a worker gets to exit after "stop" before terminate()
