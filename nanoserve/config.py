@@ -4,10 +4,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, fields
 
-from nanoserve.checkpoint import read_json
-from nanoserve.models import SUPPORTED_ARCHITECTURES, check_supported, sliding_window
+import torch
 
-DTYPES = ("auto", "bfloat16", "float16", "float32")
+from nanoserve.checkpoint import read_json
+from nanoserve.models import model_class, sliding_window
+
+# The dtypes the engine runs in, by name: the one table ("auto" is resolved at startup, resolve_dtype).
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = ("auto", *TORCH_DTYPES)
 # vLLM's spellings of the same dtypes (torch.dtype values are accepted too).
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 DEVICES = ("auto", "cpu", "cuda")
@@ -15,10 +19,6 @@ ATTENTION_BACKENDS = ("auto", "cpu", "torch", "flash_attn", "triton")  # see nan
 WEIGHT_SUFFIXES = (".safetensors",)
 # Weights in pickle files: unpickling runs arbitrary code, so they are never read.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-# config.json fields every supported architecture needs, each a positive int.
-REQUIRED_HF_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")
-OPTIONAL_HF_FIELDS = ("num_key_value_heads", "head_dim", "max_position_embeddings")
-MOE_HF_FIELDS = ("num_experts_per_tok", "moe_intermediate_size")
 
 
 @dataclass
@@ -55,10 +55,12 @@ class Config:
         self._check_ints()
         source = os.path.join(self.model, "config.json")
         self.hf_config = read_json(source)
-        check_hf_config(self.hf_config, source)
+        # The architecture's own checks of the fields it reads, and that they shard over the ranks.
+        model_class(self.hf_config, source).check_config(self.hf_config, source, self.tensor_parallel_size)
         max_pos = int(self.hf_config.get("max_position_embeddings", 4096))
+        window = sliding_window(self.hf_config)
         if self.max_model_len is None:
-            self.max_model_len = min(4096, max_pos, sliding_window(self.hf_config) or max_pos)
+            self.max_model_len = min(4096, max_pos, window or max_pos)
         elif self.max_model_len > max_pos:
             raise ValueError(
                 f"max_model_len={self.max_model_len} exceeds the checkpoint's "
@@ -70,8 +72,12 @@ class Config:
                 f"max_model_len={self.max_model_len} when enable_chunked_prefill=False, "
                 "otherwise a long prompt could never be scheduled"
             )
-        check_supported(self.hf_config, self.max_model_len, source)
-        self._check_tensor_parallel()
+        if window is not None and window < self.max_model_len:
+            raise ValueError(
+                f"{source} uses sliding-window attention (sliding_window={window}), which nanoserve does not "
+                f"implement; pass max_model_len <= {window} (got {self.max_model_len}), "
+                "where full attention is the same"
+            )
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -140,98 +146,11 @@ class Config:
             if value < lo:
                 raise ValueError(f"{name} must be >= {lo}, got {value}")
 
-    def _check_tensor_parallel(self) -> None:
-        """Every sharded dimension must split evenly: KV heads, query heads, MLP (and expert) width."""
-        tp, cfg = self.tensor_parallel_size, self.hf_config
-        sharded = {
-            "num_key_value_heads": cfg.get("num_key_value_heads") or cfg.get("num_attention_heads"),
-            "num_attention_heads": cfg.get("num_attention_heads"),
-            "intermediate_size": cfg.get("intermediate_size"),
-            "moe_intermediate_size": cfg.get("moe_intermediate_size"),  # each expert's MLP is sharded
-        }
-        for name, value in sharded.items():
-            if value and value % tp:
-                raise ValueError(
-                    f"tensor_parallel_size={tp} must divide the checkpoint's {name}={value} "
-                    f"(each rank holds {name} / tensor_parallel_size of them)"
-                )
-
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def check_hf_config(cfg: dict, source: str) -> None:
-    """Refuse a config.json that lacks a field the model needs or whose fields disagree, naming
-    the file and the field, before anything is built from it."""
-    archs = cfg.get("architectures")
-    if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
-        raise ValueError(f"{source}: architectures must be a list naming the model class, got {archs!r}")
-    if archs[0] not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"unsupported architecture {archs[0]!r} in {source}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    moe = archs[0] == "Qwen3MoeForCausalLM"
-    for name in REQUIRED_HF_FIELDS + (MOE_HF_FIELDS if moe else ()):
-        if cfg.get(name) is None:
-            raise ValueError(f"{source} lacks the required field {name!r}")
-    for name in REQUIRED_HF_FIELDS + OPTIONAL_HF_FIELDS + (MOE_HF_FIELDS if moe else ()):
-        value = cfg.get(name)
-        if value is not None and (not _is_int(value) or value < 1):
-            raise ValueError(f"{source}: {name} must be a positive int, got {value!r}")
-    heads = cfg["num_attention_heads"]
-    kv_heads = cfg.get("num_key_value_heads") or heads
-    if heads % kv_heads:
-        raise ValueError(
-            f"{source}: num_attention_heads={heads} must be a multiple of num_key_value_heads={kv_heads} "
-            "(each KV head serves a whole group of query heads)"
-        )
-    if not cfg.get("head_dim") and cfg["hidden_size"] % heads:
-        raise ValueError(
-            f"{source}: hidden_size={cfg['hidden_size']} is not a multiple of num_attention_heads={heads}, "
-            "and there is no head_dim field"
-        )
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    if head_dim % 2:
-        raise ValueError(f"{source}: the head dimension ({head_dim}) must be even: RoPE rotates pairs of channels")
-    layer_types = cfg.get("layer_types")
-    if isinstance(layer_types, list) and len(layer_types) != cfg["num_hidden_layers"]:
-        raise ValueError(
-            f"{source}: layer_types has {len(layer_types)} entries but num_hidden_layers={cfg['num_hidden_layers']}"
-        )
-    _check_hf_scalars(cfg, source)
-    if moe:
-        experts = cfg.get("num_experts") or cfg.get("num_local_experts")
-        if not _is_int(experts) or not 1 <= cfg["num_experts_per_tok"] <= experts:
-            raise ValueError(
-                f"{source}: num_experts_per_tok={cfg['num_experts_per_tok']} must be in [1, num_experts], "
-                f"and num_experts (or num_local_experts) a positive int, got {experts!r}"
-            )
-
-
-def _check_hf_scalars(cfg: dict, source: str) -> None:
-    from nanoserve.layers.rotary_embedding import rope_parameters
-
-    eps = cfg.get("rms_norm_eps")
-    if eps is not None and (not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps > 0):
-        raise ValueError(f"{source}: rms_norm_eps must be a positive number, got {eps!r}")
-    if not isinstance(cfg.get("tie_word_embeddings", False), bool):
-        raise ValueError(f"{source}: tie_word_embeddings must be true or false, got {cfg['tie_word_embeddings']!r}")
-    try:
-        theta = rope_parameters(cfg)[0]
-    except (TypeError, ValueError, AttributeError):
-        theta = None
-    if theta is None or not theta > 0:
-        raise ValueError(f"{source}: rope_theta must be a positive number")
-
 
 def canonical_dtype(dtype) -> str:
     """One of DTYPES from any spelling vLLM accepts: "half", "float", "bfloat16", torch.float16, ..."""
-    import torch
-
     if isinstance(dtype, torch.dtype):
-        names = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+        names = {torch_dtype: name for name, torch_dtype in TORCH_DTYPES.items()}
         if dtype not in names:
             raise ValueError(f"dtype must be one of {DTYPES} (or torch.bfloat16/float16/float32), got {dtype}")
         return names[dtype]
@@ -240,3 +159,13 @@ def canonical_dtype(dtype) -> str:
     raise ValueError(
         f"dtype must be one of {DTYPES}, vLLM's aliases {tuple(DTYPE_ALIASES)} or a torch dtype, got {dtype!r}"
     )
+
+
+def resolve_dtype(dtype: str, hf_config: dict, device: torch.device) -> torch.dtype:
+    """The torch dtype to run in: the one asked for, else bfloat16 on CPU, else the checkpoint's."""
+    if dtype != "auto":
+        return TORCH_DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.bfloat16
+    checkpoint = hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16"
+    return TORCH_DTYPES.get(checkpoint, torch.bfloat16)

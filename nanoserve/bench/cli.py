@@ -13,6 +13,7 @@ from nanoserve.bench.machine import describe_machine, machine_info
 from nanoserve.bench.peers.hf import HF_PATHS
 from nanoserve.bench.peers.vllm import default_vllm_python
 from nanoserve.bench.workloads import PEER_WORKLOADS, PRESETS, WorkloadSpec, make_requests
+from nanoserve.config import DTYPES
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -41,7 +42,7 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     m.add_argument("--arch", help="random-weight checkpoint of a real shape, built once and cached: "
                                   f"{', '.join(available_archs())} (default qwen3-0.6b)")
     m.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
-    m.add_argument("--dtype", default="bfloat16", choices=["auto", "bfloat16", "float16", "float32"])
+    m.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     m.add_argument("--threads", type=int, help="torch threads for every engine (default: torch's)")
 
     e = p.add_argument_group("engine knobs (nanoserve LLM kwargs)")

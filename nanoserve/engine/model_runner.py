@@ -14,7 +14,7 @@ from functools import partial
 import torch
 
 from nanoserve.backends import select_backend
-from nanoserve.config import Config
+from nanoserve.config import Config, resolve_dtype
 from nanoserve.distributed.group import TPGroup
 from nanoserve.engine import memory as mem
 from nanoserve.engine import warmup
@@ -31,8 +31,6 @@ from nanoserve.sampling import Sampler, SamplingMetadata, SamplingRow
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
 
 @dataclass
 class StepOutput:
@@ -47,15 +45,6 @@ def resolve_device(device: str) -> torch.device:
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was requested but torch.cuda.is_available() is False")
     return torch.device(device)
-
-
-def resolve_dtype(dtype: str, hf_config: dict, device: torch.device) -> torch.dtype:
-    if dtype != "auto":
-        return DTYPES[dtype]
-    if device.type == "cpu":
-        return torch.bfloat16
-    checkpoint = hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16"
-    return DTYPES.get(checkpoint, torch.bfloat16)
 
 
 class ModelRunner:
@@ -100,7 +89,7 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model = model_class(cfg["architectures"][0])(cfg, ctx)
+                model = model_class(cfg)(cfg, ctx)
         finally:
             torch.set_default_dtype(default_dtype)
         load_weights(model, self.config.model)

@@ -1,7 +1,8 @@
 """Model architectures by the name HF checkpoints give in config.json's `architectures`.
 
 Adding one: a model file composed from nanoserve.layers, and one line here. Modules are imported
-only when their architecture is built.
+only when their architecture is built. Each model class checks the config.json fields it reads
+(`check_config`), so a checkpoint is refused at startup, naming the file and the field.
 """
 from __future__ import annotations
 
@@ -26,30 +27,16 @@ def head_dim_of(hf_config: dict) -> int:
     return hf_config.get("head_dim") or hf_config["hidden_size"] // hf_config["num_attention_heads"]
 
 
-def model_class(architecture: str) -> type[nn.Module]:
-    if architecture not in MODEL_REGISTRY:
-        raise ValueError(f"unsupported architecture {architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    module, name = MODEL_REGISTRY[architecture]
+def model_class(hf_config: dict, source: str = "config.json") -> type[nn.Module]:
+    """The class that runs this checkpoint: the one place config.json's `architectures` is checked."""
+    archs = hf_config.get("architectures")
+    if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
+        raise ValueError(f"{source}: architectures must be a list naming the model class, got {archs!r}")
+    if archs[0] not in MODEL_REGISTRY:
+        supported = ", ".join(SUPPORTED_ARCHITECTURES)
+        raise ValueError(f"unsupported architecture {archs[0]!r} in {source}; supported: {supported}")
+    module, name = MODEL_REGISTRY[archs[0]]
     return getattr(importlib.import_module(f"nanoserve.models.{module}"), name)
-
-
-def check_supported(hf_config: dict, max_model_len: int, source: str) -> None:
-    """Refuse, with a clear ValueError, a checkpoint nanoserve would run wrongly."""
-    from nanoserve.layers.rotary_embedding import check_rope_scaling, rope_parameters
-
-    arch = (hf_config.get("architectures") or [None])[0]
-    if arch not in MODEL_REGISTRY:
-        raise ValueError(f"unsupported architecture {arch!r} in {source}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    try:
-        check_rope_scaling(rope_parameters(hf_config)[1])
-    except ValueError as e:
-        raise ValueError(f"{source}: {e}") from None
-    window = sliding_window(hf_config)
-    if window is not None and window < max_model_len:
-        raise ValueError(
-            f"{source} uses sliding-window attention (sliding_window={window}), which nanoserve does not "
-            f"implement; pass max_model_len <= {window} (got {max_model_len}), where full attention is the same"
-        )
 
 
 def sliding_window(hf_config: dict) -> int | None:

@@ -18,7 +18,7 @@ from nanoserve.layers.context import ModelContext
 from nanoserve.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.layernorm import RMSNorm
 from nanoserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from nanoserve.layers.rotary_embedding import RotaryEmbedding
+from nanoserve.layers.rotary_embedding import RotaryEmbedding, check_rope_scaling, rope_parameters
 from nanoserve.models import head_dim_of
 
 
@@ -112,11 +112,74 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
     qk_norm = False  # per-head RMSNorm of q and k before RoPE
+    # config.json fields read as shapes, each a positive int: the ones that must be there, then
+    # the ones with a default (num_attention_heads, hidden_size / num_attention_heads, 4096).
+    required_fields = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")
+    optional_fields = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+    # Shapes split across tensor-parallel ranks (each rank holds field / tensor_parallel_size).
+    sharded_fields = ("num_key_value_heads", "num_attention_heads", "intermediate_size")
+
+    @classmethod
+    def check_config(cls, cfg: dict, source: str, tensor_parallel_size: int = 1) -> None:
+        """Refuse a config.json this model would run wrongly, naming `source` and the field, before
+        anything is built from it."""
+        for name in cls.required_fields:
+            if cfg.get(name) is None:
+                raise ValueError(f"{source} lacks the required field {name!r}")
+        for name in cls.required_fields + cls.optional_fields:
+            value = cfg.get(name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{source}: {name} must be a positive int, got {value!r}")
+        heads = cfg["num_attention_heads"]
+        kv_heads = cfg.get("num_key_value_heads") or heads
+        if heads % kv_heads:
+            raise ValueError(
+                f"{source}: num_attention_heads={heads} must be a multiple of num_key_value_heads={kv_heads} "
+                "(each KV head serves a whole group of query heads)"
+            )
+        if not cfg.get("head_dim") and cfg["hidden_size"] % heads:
+            raise ValueError(
+                f"{source}: hidden_size={cfg['hidden_size']} is not a multiple of num_attention_heads={heads}, "
+                "and there is no head_dim field"
+            )
+        if (head_dim := head_dim_of(cfg)) % 2:
+            raise ValueError(f"{source}: the head dimension ({head_dim}) must be even: RoPE rotates pairs of channels")
+        layer_types = cfg.get("layer_types")
+        if isinstance(layer_types, list) and len(layer_types) != cfg["num_hidden_layers"]:
+            raise ValueError(
+                f"{source}: layer_types has {len(layer_types)} entries but num_hidden_layers={cfg['num_hidden_layers']}"
+            )
+        cls._check_scalars(cfg, source)
+        for name in cls.sharded_fields:
+            value = kv_heads if name == "num_key_value_heads" else cfg.get(name)
+            if value and value % tensor_parallel_size:
+                raise ValueError(
+                    f"tensor_parallel_size={tensor_parallel_size} must divide the checkpoint's {name}={value} "
+                    f"(each rank holds {name} / tensor_parallel_size of them)"
+                )
+
+    @staticmethod
+    def _check_scalars(cfg: dict, source: str) -> None:
+        eps = cfg.get("rms_norm_eps")
+        if eps is not None and (not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps > 0):
+            raise ValueError(f"{source}: rms_norm_eps must be a positive number, got {eps!r}")
+        if not isinstance(cfg.get("tie_word_embeddings", False), bool):
+            raise ValueError(f"{source}: tie_word_embeddings must be true or false, got {cfg['tie_word_embeddings']!r}")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{source}: hidden_act {cfg['hidden_act']!r} is not supported (only 'silu')")
+        try:
+            theta, scaling = rope_parameters(cfg)
+        except (TypeError, ValueError, AttributeError):
+            theta = None
+        if theta is None or not theta > 0:
+            raise ValueError(f"{source}: rope_theta must be a positive number")
+        try:
+            check_rope_scaling(scaling)
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
 
     def __init__(self, cfg: dict, ctx: ModelContext) -> None:
         super().__init__()
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported (only 'silu')")
         rope = RotaryEmbedding.from_config(cfg, head_dim_of(cfg), ctx)  # one table for all layers
         qkv_bias, o_bias = self.attention_biases(cfg)
         layers = [

@@ -51,6 +51,19 @@ class Qwen3MoeSparseBlock(nn.Module):
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    required_fields = Qwen3ForCausalLM.required_fields + ("num_experts_per_tok", "moe_intermediate_size")
+    sharded_fields = Qwen3ForCausalLM.sharded_fields + ("moe_intermediate_size",)  # each expert's MLP is sharded
+
+    @classmethod
+    def check_config(cls, cfg: dict, source: str, tensor_parallel_size: int = 1) -> None:
+        super().check_config(cfg, source, tensor_parallel_size)
+        experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+        if not isinstance(experts, int) or isinstance(experts, bool) or not 1 <= cfg["num_experts_per_tok"] <= experts:
+            raise ValueError(
+                f"{source}: num_experts_per_tok={cfg['num_experts_per_tok']} must be in [1, num_experts], "
+                f"and num_experts (or num_local_experts) a positive int, got {experts!r}"
+            )
+
     def make_mlp(self, cfg: dict, layer_index: int, ctx: ModelContext) -> nn.Module:
         if is_sparse_layer(cfg, layer_index):
             return Qwen3MoeSparseBlock(cfg, ctx)

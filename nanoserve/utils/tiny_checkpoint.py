@@ -12,8 +12,7 @@ import os
 import shutil
 import tempfile
 
-import torch
-
+from nanoserve.config import TORCH_DTYPES as DTYPES
 from nanoserve.utils.cache import cache_root
 from nanoserve.utils.tiny_configs import (
     ARCHITECTURES,
@@ -45,8 +44,6 @@ __all__ = [
 # Bump whenever the bytes written for the same kwargs change, so ensure_* rebuilds.
 FORMAT_VERSION = 2
 FINGERPRINT_FILE = "nanoserve_fingerprint.json"
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _check_build_args(seed, dtype, shard_size_bytes, generation_config, tokenizer_vocab_size) -> None:

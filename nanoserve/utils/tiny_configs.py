@@ -11,6 +11,8 @@ import copy
 import dataclasses
 from dataclasses import dataclass
 
+from nanoserve.models import model_class
+
 
 @dataclass(frozen=True)
 class TinyArch:
@@ -144,33 +146,20 @@ def _is_positive_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def _check_fields(fields: dict, tokenizer_size: int) -> None:
+def _check_fields(spec: TinyArch, fields: dict, tokenizer_size: int) -> None:
     for name in _SHAPE_FIELDS:
         value = fields.get(name)
         if value is None and name == "head_dim":
-            continue  # absent: hidden_size / num_attention_heads, checked below
+            continue  # absent: hidden_size / num_attention_heads, checked by the model class
         if name in fields and not _is_positive_int(value):
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    heads, kv_heads = fields["num_attention_heads"], fields["num_key_value_heads"]
-    if heads % kv_heads:
-        raise ValueError(f"num_attention_heads={heads} must be a multiple of num_key_value_heads={kv_heads}")
-    if fields.get("head_dim") is None and fields["hidden_size"] % heads:
-        raise ValueError(f"hidden_size={fields['hidden_size']} must be a multiple of num_attention_heads={heads} "
-                         "when head_dim is not given")
+    # What nanoserve's model would refuse to load (heads, head_dim, experts, RoPE) is not built.
+    model_class({"architectures": [spec.model_class]}).check_config(fields, f"{spec.model_type} config")
     if fields["vocab_size"] < tokenizer_size:
         raise ValueError(f"vocab_size={fields['vocab_size']} is smaller than the tokenizer ({tokenizer_size} tokens)")
     if fields.get("sliding_window") is not None and not _is_positive_int(fields["sliding_window"]):
         raise ValueError(f"sliding_window must be None or an int >= 1, got {fields['sliding_window']!r}")
-    if "num_experts" in fields:
-        _check_moe_fields(fields)
-
-
-def _check_moe_fields(fields: dict) -> None:
-    if fields["num_experts_per_tok"] > fields["num_experts"]:
-        raise ValueError(f"num_experts_per_tok={fields['num_experts_per_tok']} must be <= "
-                         f"num_experts={fields['num_experts']}")
-    layers = fields["num_hidden_layers"]
-    mlp_only = fields["mlp_only_layers"]
+    layers, mlp_only = fields["num_hidden_layers"], fields.get("mlp_only_layers", [])
     if not isinstance(mlp_only, (list, tuple)) or not all(
         isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in mlp_only
     ):
@@ -187,7 +176,7 @@ def make_config(arch: str, tokenizer_size: int, bos_token_id: int, eos_token_id:
     # and the caller's dicts, presets included, must stay as they were.
     fields = copy.deepcopy({**spec.defaults, "vocab_size": tokenizer_size, **overrides})
     _check_field_names(spec, fields)
-    _check_fields(fields, tokenizer_size)
+    _check_fields(spec, fields, tokenizer_size)
     if "mlp_only_layers" in fields:
         fields["mlp_only_layers"] = list(fields["mlp_only_layers"])  # a tuple would not round-trip JSON
     return _config_class(spec)(
