@@ -1,8 +1,10 @@
-"""Helpers shared by several test modules (tests never import from each other)."""
+"""Helpers shared by several test modules (tests never import from each other, nor from
+conftest.py, which holds only fixtures)."""
 from __future__ import annotations
 
 import math
 import os
+import random
 
 import torch
 
@@ -10,26 +12,91 @@ from nanoserve import LLM
 from nanoserve.backends.cpu import CPUBackend
 from nanoserve.sampling.sampler import Sampler
 
+# ---- checkpoints, prompts and the HF oracle ---------------------------------------------------
+
+# Two shapes unlike each other: tied embeddings with GQA 2, and untied with GQA 4 and a
+# head_dim that is not a power of two.
+MODEL_CONFIGS = {
+    "tied-gqa2": dict(seed=0),
+    "untied-gqa4": dict(
+        seed=1, hidden_size=96, num_attention_heads=8, num_key_value_heads=2, head_dim=24,
+        intermediate_size=160, num_hidden_layers=3, tie_word_embeddings=False,
+    ),
+}
+
+
+def random_prompts(num: int, min_len: int, max_len: int, vocab: int = 900, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(num)]
+
+
+class HFOracle:
+    """HF transformers' own model classes (float32 unless asked), with results memoised across tests."""
+
+    def __init__(self) -> None:
+        self._models = {}
+        self._cache = {}
+
+    def model(self, path: str, dtype: torch.dtype = torch.float32):
+        from transformers import AutoModelForCausalLM
+
+        if (path, dtype) not in self._models:
+            self._models[path, dtype] = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        return self._models[path, dtype]
+
+    @torch.inference_mode()
+    def greedy_with_gaps(self, path: str, prompt: list[int], max_new_tokens: int, dtype: torch.dtype):
+        """Greedy tokens in `dtype`, and at each step the gap between HF's top-2 logits."""
+        out = self.model(path, dtype).generate(
+            torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+            eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+        )
+        gaps = [float(top[0] - top[1]) for top in (s[0].float().topk(2).values for s in out.logits)]
+        return out.sequences[0, len(prompt):].tolist(), gaps
+
+    @torch.inference_mode()
+    def greedy(self, path: str, prompt: list[int], max_new_tokens: int) -> list[int]:
+        key = (path, tuple(prompt), max_new_tokens)
+        if key not in self._cache:
+            model = self.model(path)
+            out = model.generate(
+                torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0,
+            )
+            self._cache[key] = out[0, len(prompt):].tolist()
+        return self._cache[key]
+
+    @torch.inference_mode()
+    def logprobs(self, path: str, prompt: list[int], output: list[int]) -> torch.Tensor:
+        """log_softmax over the vocabulary at each output position: [len(output), vocab]."""
+        ids = torch.tensor([prompt + output])
+        logits = self.model(path)(ids).logits[0, len(prompt) - 1 : -1].float()
+        return torch.log_softmax(logits, dim=-1)
+
+
 # ---- engines -----------------------------------------------------------------------------------
 
 
 def make_llm(path, **kw) -> LLM:
-    """A small float32 CPU engine: block size 8, 256 blocks, max_model_len 512 unless overridden."""
+    """A small float32 CPU engine: block size 8, 256 blocks, max_model_len 512 unless overridden
+    (None for any of the last three gives the engine's own default)."""
     kw = {"device": "cpu", "dtype": "float32", "kvcache_block_size": 8, "num_kvcache_blocks": 256,
           "max_model_len": 512, **kw}
     return LLM(path, **kw)
 
 
 def assert_no_leak(llm: LLM) -> None:
-    """Every block is free or held only by the prefix cache; nothing is referenced."""
+    """Nothing left in the engine; every block is free or held only by the prefix cache."""
     bm = llm.engine.block_manager
+    assert llm.engine.is_finished() and not llm.engine.requests
     assert all(block.ref_count == 0 for block in bm.pool.blocks)
     assert bm.num_free_blocks == bm.pool.num_blocks
     bm.check_integrity([])
 
 
 def assert_matches_hf(hf, path, prompts, outputs, max_tokens) -> None:
-    for prompt, out in zip(prompts, outputs):
+    assert prompts, "nothing to compare"
+    for prompt, out in zip(prompts, outputs, strict=True):
         assert out.prompt_token_ids == prompt
         assert out.outputs[0].token_ids == hf.greedy(path, prompt, max_tokens)
 

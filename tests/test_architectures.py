@@ -13,8 +13,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import random_prompts
-from helpers import assert_matches_hf, assert_no_leak, make_llm
+from helpers import assert_matches_hf, assert_no_leak, make_llm, random_prompts
 from nanoserve import LLM, SamplingParams
 from nanoserve.utils.tiny_checkpoint import build_tiny_checkpoint
 
@@ -98,7 +97,7 @@ def test_sliding_window_shorter_than_max_model_len_is_refused(tmp_path, hf):
     path = build_tiny_checkpoint(tmp_path / "m", arch="mistral", sliding_window=64)
     with pytest.raises(ValueError, match=r"sliding_window=64.*max_model_len <= 64 \(got 128\)"):
         LLM(path, device="cpu", max_model_len=128)
-    llm = LLM(path, device="cpu", dtype="float32", num_kvcache_blocks=32)  # defaults to the window
+    llm = make_llm(path, num_kvcache_blocks=32, max_model_len=None)  # None: the default, the window
     assert llm.config.max_model_len == 64
     prompt = random_prompts(1, 40, 40, seed=41)[0]
     assert_matches_hf(hf, path, [prompt], llm.generate([prompt], GREEDY, use_tqdm=False), 16)
@@ -120,14 +119,14 @@ def test_missing_and_unexpected_expert_tensors_are_named(arch_dirs, tmp_path):
 
     missing = rewrite("missing", lambda t: t.pop("model.layers.0.mlp.experts.3.up_proj.weight", None))
     with pytest.raises(ValueError, match=r"lacks weights for.*layers\.0\.mlp\.experts\.w13.*\(3, 'up'\)"):
-        LLM(missing, device="cpu", num_kvcache_blocks=64, max_model_len=128)
+        make_llm(missing, num_kvcache_blocks=64, max_model_len=128)
     no_k = rewrite("no-k", lambda t: t.pop("model.layers.1.self_attn.k_proj.weight", None))
     with pytest.raises(ValueError, match=r"layers\.1\.self_attn\.qkv_proj\.weight \(parts \['k'\]\)"):
-        LLM(no_k, device="cpu", num_kvcache_blocks=64, max_model_len=128)
+        make_llm(no_k, num_kvcache_blocks=64, max_model_len=128)
     extra = rewrite("extra", lambda t: t.update({"model.layers.0.mlp.experts.99.gate_proj.weight": torch.zeros(1)})
                     if "model.layers.0.mlp.gate.weight" in t else None)
     with pytest.raises(ValueError, match=r"experts\.99\.gate_proj\.weight"):
-        LLM(extra, device="cpu", num_kvcache_blocks=64, max_model_len=128)
+        make_llm(extra, num_kvcache_blocks=64, max_model_len=128)
 
 
 @pytest.mark.parametrize("renormalize", [True, False])

@@ -9,8 +9,8 @@ import json
 import os
 
 import pytest
+from helpers import make_llm
 
-from nanoserve import LLM
 from nanoserve.bench.checkpoints import DEFAULT_ARCH, available_archs
 from nanoserve.bench.cli import main, parse_args
 from nanoserve.bench.driver import drive, sampling_params
@@ -43,7 +43,7 @@ def test_bench_main_runs_a_tiny_workload_and_its_figures_agree(tiny_model, tmp_p
 
 
 def test_driver_steps_account_for_every_token_and_match_generate(tiny_model):
-    llm = LLM(tiny_model, dtype="float32", max_model_len=64, max_num_batched_tokens=24)  # chunked prefill
+    llm = make_llm(tiny_model, max_model_len=64, max_num_batched_tokens=24)  # chunked prefill
     requests = make_requests(WorkloadSpec("random", 4, (8, 30), (1, 7), seed=3), llm.engine.vocab_size)
     run = drive(llm, requests, lambda r: sampling_params(r.max_tokens))
     expected = llm.generate([r.prompt for r in requests], [sampling_params(r.max_tokens) for r in requests],

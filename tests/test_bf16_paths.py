@@ -13,8 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import random_prompts
-from helpers import assert_no_leak, make_llm
+from helpers import assert_no_leak, make_llm, random_prompts
 from nanoserve import SamplingParams
 from nanoserve.backends.cpu import GEMM_PATHS, gemm_unavailable
 from nanoserve.kernels import cpu_kernels
@@ -62,7 +61,7 @@ def test_bf16_greedy_matches_hf_bf16_and_the_fp32_engine(bf16_model, hf, gemm, m
     monkeypatch.delenv("NANOSERVE_CPU_GEMM", raising=False)
     fp32 = make_llm(bf16_model, dtype="float32").generate(prompts, params, use_tqdm=False)
     compared = 0
-    for prompt, out, ref32 in zip(prompts, outs, fp32):
+    for prompt, out, ref32 in zip(prompts, outs, fp32, strict=True):
         got = out.outputs[0].token_ids
         hf_tokens, hf_gaps = hf.greedy_with_gaps(bf16_model, prompt, MAX_TOKENS, torch.bfloat16)
         step = first_divergence(got, hf_tokens)

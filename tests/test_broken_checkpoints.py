@@ -7,9 +7,8 @@ import shutil
 
 import pytest
 import torch
+from helpers import make_llm
 from safetensors.torch import load_file, save_file
-
-from nanoserve import LLM
 
 
 def copy_of(tiny_model, tmp_path) -> str:
@@ -17,7 +16,7 @@ def copy_of(tiny_model, tmp_path) -> str:
 
 
 def start(path, **kw):
-    return LLM(path, device="cpu", dtype="float32", num_kvcache_blocks=64, max_model_len=128, **kw)
+    return make_llm(path, num_kvcache_blocks=64, max_model_len=128, **kw)
 
 
 def edit_config(path, **fields):

@@ -18,8 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import random_prompts
-from helpers import assert_no_leak, make_paged_batch, naive_paged_attention
+from helpers import assert_no_leak, make_llm, make_paged_batch, naive_paged_attention, random_prompts
 from nanoserve import LLM, SamplingParams
 from nanoserve.backends.base import Backend
 from nanoserve.backends.flash_attn import FlashAttnBackend
@@ -143,9 +142,9 @@ def test_engine_generates_through_flash_attn_like_the_torch_backend(fake_flash_a
     prompts = [shared + tail for tail in random_prompts(3, 5, 40, seed=4)] + random_prompts(3, 20, 280, seed=5)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=2, logprobs=2)
     # 7 blocks of 256 for up to 6 sequences of ~340 tokens: preemption; a 128-token budget: chunks.
-    kw = dict(device="cpu", dtype="bfloat16", kvcache_block_size=BLOCK, num_kvcache_blocks=7, max_model_len=512,
+    kw = dict(dtype="bfloat16", kvcache_block_size=BLOCK, num_kvcache_blocks=7, max_model_len=512,
               max_num_batched_tokens=128)
-    flash = LLM(path, attention_backend=FlashAttnOnCPU, **kw)
+    flash = make_llm(path, attention_backend=FlashAttnOnCPU, **kw)
     assert flash.engine.model_runner.backend.name == "flash_attn"
     first = flash.generate(prompts[:1], params, use_tqdm=False)  # caches the shared prefix
     rest = flash.generate(prompts[1:], params, use_tqdm=False)
@@ -154,11 +153,11 @@ def test_engine_generates_through_flash_attn_like_the_torch_backend(fake_flash_a
     assert {"varlen", "varlen_paged"} <= set(fake_flash_attn.CALLS) and "kvcache" not in fake_flash_attn.CALLS
     assert_no_leak(flash)
 
-    reference = LLM(path, attention_backend=TorchReferenceFloat32Attention, **kw).generate(prompts, params,
-                                                                                          use_tqdm=False)
-    for got, ref in zip(first + rest, reference):
-        for g, r in zip(got.outputs, ref.outputs):
-            for step, (a, b) in enumerate(zip(g.token_ids, r.token_ids)):
+    reference = make_llm(path, attention_backend=TorchReferenceFloat32Attention, **kw).generate(prompts, params,
+                                                                                               use_tqdm=False)
+    for got, ref in zip(first + rest, reference, strict=True):
+        for g, r in zip(got.outputs, ref.outputs, strict=True):
+            for step, (a, b) in enumerate(zip(g.token_ids, r.token_ids, strict=True)):
                 if a != b:  # forgiven only where the reference's top-2 logits (= logprobs) nearly tie
                     top2 = sorted((lp.logprob for lp in r.logprobs[step].values() if lp.rank in (1, 2)),
                                   reverse=True)

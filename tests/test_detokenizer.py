@@ -4,12 +4,11 @@ from __future__ import annotations
 import random
 
 import pytest
+import transformers
 
 from nanoserve import SamplingParams
 from nanoserve.engine.detokenizer import IncrementalDetokenizer
 from nanoserve.utils.tiny_checkpoint import build_tiny_qwen3
-
-transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")

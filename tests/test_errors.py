@@ -4,6 +4,7 @@ import os
 import shutil
 
 import pytest
+from helpers import make_llm
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.models import SUPPORTED_ARCHITECTURES
@@ -11,7 +12,7 @@ from nanoserve.models import SUPPORTED_ARCHITECTURES
 
 @pytest.fixture(scope="module")
 def llm(tiny_model):
-    return LLM(tiny_model, device="cpu", dtype="float32", kvcache_block_size=8, num_kvcache_blocks=64, max_model_len=128)
+    return make_llm(tiny_model, num_kvcache_blocks=64, max_model_len=128)
 
 
 def test_missing_model_dir(tmp_path):
@@ -165,14 +166,15 @@ def test_bad_sampling_params_type(kwargs):
 
 
 def test_logprobs_cap_is_configurable(tiny_model):
-    llm = LLM(tiny_model, device="cpu", dtype="float32", num_kvcache_blocks=16, max_model_len=64, max_logprobs=40)
+    llm = make_llm(tiny_model, num_kvcache_blocks=16, max_model_len=64, max_logprobs=40)
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, logprobs=40, ignore_eos=True), use_tqdm=False)
-    assert all(len(entry) >= 40 for entry in out[0].outputs[0].logprobs)
+    entries = out[0].outputs[0].logprobs
+    assert len(entries) == 2 and all(len(entry) >= 40 for entry in entries)
     llm.close()
 
 
 def test_generate_after_close_is_a_clear_error(tiny_model):
-    llm = LLM(tiny_model, device="cpu", dtype="float32", num_kvcache_blocks=16, max_model_len=64)
+    llm = make_llm(tiny_model, num_kvcache_blocks=16, max_model_len=64)
     llm.close()
     llm.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):

@@ -5,13 +5,13 @@ block, and every prefix-cache entry holds K/V that was actually computed for its
 against a recomputation by a second engine, see helpers.stale_cache_entries).
 """
 import pytest
-from conftest import random_prompts
 from helpers import (
     FaultInjectingBackend,
     FaultInjectingSampler,
     assert_no_leak,
     cached_prefixes,
     make_llm,
+    random_prompts,
     stale_cache_entries,
 )
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from helpers import FaultInjectingBackend, assert_no_leak
+from helpers import FaultInjectingBackend, assert_no_leak, make_llm
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -266,14 +266,14 @@ def check_same_samples(first, second, cap: int | None) -> None:
 @pytest.fixture(scope="module")
 def reference(tiny_model):
     """A roomy engine (no preemption, one block size, longest context the fuzzed configs use)."""
-    return LLM(tiny_model, device="cpu", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=256,
-               max_model_len=MAX_MODEL_LEN, max_num_seqs=8)
+    return make_llm(tiny_model, kvcache_block_size=16, num_kvcache_blocks=256, max_model_len=MAX_MODEL_LEN,
+                    max_num_seqs=8)
 
 
 @FUZZ
 @given(data=st.data())
 def test_random_configs_and_request_mixes(tiny_model, reference, data):
-    llm = LLM(tiny_model, **data.draw(configs(), label="config"))
+    llm = make_llm(tiny_model, **data.draw(configs(), label="config"))
     for _ in range(2):
         mix = data.draw(mixes(llm), label="mix")
         one_params = len(mix) > 1 and data.draw(st.booleans(), label="one SamplingParams for all")

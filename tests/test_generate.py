@@ -1,8 +1,7 @@
 """LLM.generate end to end on CPU in float32: exact greedy tokens against HF transformers."""
 import pytest
 
-from conftest import random_prompts
-from helpers import assert_matches_hf, assert_no_leak, make_llm
+from helpers import assert_matches_hf, assert_no_leak, make_llm, random_prompts
 from nanoserve import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)

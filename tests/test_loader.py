@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from conftest import random_prompts
-from nanoserve import LLM, SamplingParams
+from helpers import make_llm, random_prompts
+from nanoserve import SamplingParams
 from nanoserve.models.loader import checkpoint_files
 from nanoserve.utils.tiny_checkpoint import build_tiny_qwen3
 
@@ -12,10 +12,10 @@ from nanoserve.utils.tiny_checkpoint import build_tiny_qwen3
 def test_sharded_half_precision_checkpoint_matches_hf(tmp_path, hf, dtype, tied):
     path = build_tiny_qwen3(tmp_path / "m", seed=5, dtype=dtype, shard_size_bytes=40_000, tie_word_embeddings=tied)
     assert len(checkpoint_files(path)) > 2
-    llm = LLM(path, device="cpu", dtype="float32", kvcache_block_size=8, num_kvcache_blocks=64, max_model_len=256)
+    llm = make_llm(path, num_kvcache_blocks=64, max_model_len=256)
     prompts = random_prompts(3, 5, 20, seed=6)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
+    for prompt, out in zip(prompts, outs, strict=True):
         assert out.outputs[0].token_ids == hf.greedy(path, prompt, 16)
 
 
@@ -23,8 +23,7 @@ def test_weights_land_in_packed_parameters(tiny_model):
     from safetensors.torch import load_file
 
     # The torch backend multiplies the loaded parameters themselves (the CPU one packs copies of them).
-    llm = LLM(tiny_model, device="cpu", dtype="float32", num_kvcache_blocks=64, max_model_len=256,
-              attention_backend="torch")
+    llm = make_llm(tiny_model, num_kvcache_blocks=64, max_model_len=256, attention_backend="torch")
     model = llm.engine.model_runner.model
     ref = load_file(f"{tiny_model}/model.safetensors")
     attn = model.model.layers[1].self_attn
@@ -41,8 +40,8 @@ def test_packing_backends_hold_each_weight_once(tmp_path, tied):
     """Where the GEMMs keep packed copies, the loaded weights are dropped; the embedding stays
     (a tied head shares it), and the model still matches the torch backend token for token."""
     path = build_tiny_qwen3(tmp_path / "m", seed=3, tie_word_embeddings=tied)
-    kwargs = dict(device="cpu", dtype="float32", num_kvcache_blocks=64, max_model_len=128)
-    packed = LLM(path, attention_backend="cpu", **kwargs)
+    kwargs = dict(num_kvcache_blocks=64, max_model_len=128)
+    packed = make_llm(path, attention_backend="cpu", **kwargs)
     model = packed.engine.model_runner.model
     assert packed.engine.model_runner.backend.packs_weights
     layer = model.model.layers[0]
@@ -52,7 +51,7 @@ def test_packing_backends_hold_each_weight_once(tmp_path, tied):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompts = random_prompts(2, 4, 12, seed=2)
     got = [o.outputs[0].token_ids for o in packed.generate(prompts, params, use_tqdm=False)]
-    reference = LLM(path, attention_backend="torch", **kwargs)
+    reference = make_llm(path, attention_backend="torch", **kwargs)
     assert got == [o.outputs[0].token_ids for o in reference.generate(prompts, params, use_tqdm=False)]
 
 
@@ -66,4 +65,4 @@ def test_missing_tensor_is_reported(tmp_path, tiny_model):
     del weights["model.norm.weight"]
     save_file(weights, str(tmp_path / "m" / "model.safetensors"))
     with pytest.raises(ValueError, match="model.norm.weight"):
-        LLM(str(tmp_path / "m"), device="cpu", num_kvcache_blocks=64, max_model_len=256)
+        make_llm(str(tmp_path / "m"), num_kvcache_blocks=64, max_model_len=256)

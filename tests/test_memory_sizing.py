@@ -154,9 +154,11 @@ def test_warm_up_batches_are_the_worst_case_shapes():
 
 
 def test_close_releases_the_model_and_cache(tiny_model):
-    from nanoserve import LLM, SamplingParams
+    from helpers import make_llm
 
-    llm = LLM(tiny_model, device="cpu", dtype="float32", num_kvcache_blocks=32, max_model_len=128)
+    from nanoserve import SamplingParams
+
+    llm = make_llm(tiny_model, num_kvcache_blocks=32, max_model_len=128)
     runner = llm.engine.model_runner
     llm.close()
     assert runner.model is None and runner.kv_cache.numel() == 0

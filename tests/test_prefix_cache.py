@@ -1,9 +1,8 @@
 """Prefix caching through LLM.generate: multi-turn reuse, block-aligned full hits, stats, reset."""
 import pytest
 
-from conftest import random_prompts
+from helpers import assert_matches_hf, assert_no_leak, make_llm, random_prompts
 from nanoserve import SamplingParams
-from helpers import assert_matches_hf, assert_no_leak, make_llm
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 

@@ -4,7 +4,9 @@ import pytest
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.data")  # Ray without its data extra
 
-from nanoserve import LLM, SamplingParams  # noqa: E402
+from helpers import make_llm  # noqa: E402
+
+from nanoserve import SamplingParams  # noqa: E402
 from nanoserve.ray import ERROR_COLUMN, LLMPredictor  # noqa: E402
 
 ENGINE = {"device": "cpu", "dtype": "float32", "max_model_len": 128, "kvcache_block_size": 8, "num_kvcache_blocks": 128}
@@ -37,8 +39,8 @@ def test_two_actors_equal_single_process_greedy(tiny_model, local_ray):
     got = sorted(ds.take_all(), key=lambda r: r["id"])
     assert [r["id"] for r in got] == list(range(12))
 
-    llm = LLM(tiny_model, **ENGINE)
-    for row, result in zip(rows(), got):
+    llm = make_llm(tiny_model, **ENGINE)
+    for row, result in zip(rows(), got, strict=True):
         params = SamplingParams(**{**SHARED, **row["sampling_params"]})
         if row["messages"] is not None:
             [expected] = llm.chat(row["messages"], params, use_tqdm=False)

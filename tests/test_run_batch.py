@@ -8,8 +8,9 @@ import time
 from dataclasses import fields
 
 import pytest
+from helpers import make_llm
 
-from nanoserve import LLM, SamplingParams
+from nanoserve import SamplingParams
 from nanoserve.cli import build_parser, engine_kwargs, main
 from nanoserve.config import Config
 
@@ -63,7 +64,7 @@ def batch(tiny_model, tmp_path_factory):
     path = root / "in.jsonl"
     path.write_text("\n".join(raw) + "\n")
 
-    llm = LLM(tiny_model, **ENGINE)
+    llm = make_llm(tiny_model, **ENGINE)
     chat = [line for line in good if "messages" in line["body"]]
     plain = [line for line in good if "prompt" in line["body"]]
 
@@ -147,7 +148,7 @@ def test_mixed_lines_one_record_each_with_greedy_texts_of_generate(batch, refere
         assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + num_tokens
     errors = [r for r in reference.values() if r["error"] is not None]
     assert sorted(r["error"]["line"] for r in errors) == batch["bad_line_numbers"]
-    for (_, code, fragment), line in zip(BAD_LINES, batch["bad_line_numbers"]):
+    for (_, code, fragment), line in zip(BAD_LINES, batch["bad_line_numbers"], strict=True):
         [record] = [r for r in errors if r["error"]["line"] == line]
         assert record["response"] == {**record["response"], "status_code": code, "body": None}
         assert fragment in record["error"]["message"]
@@ -210,7 +211,7 @@ def test_every_llm_option_is_a_flag():
 def builder(tiny_model):
     from nanoserve.entrypoints.openai_request import RequestBuilder
 
-    return RequestBuilder(LLM(tiny_model, **ENGINE), tiny_model)
+    return RequestBuilder(make_llm(tiny_model, **ENGINE), tiny_model)
 
 
 def test_body_fields_map_to_sampling_params_as_vllm(builder):
@@ -250,7 +251,8 @@ def test_response_logprobs_are_the_engines(builder, url):
     [(_, out)] = stream_requests(builder.llm.engine, [(0, builder.build({"method": "POST", "url": url, "body": body}))], 1)
     choice = result_record("c", url, out, "m", builder.llm.tokenizer)["response"]["body"]["choices"][0]
     sample = out.outputs[0]
-    expected = [step[t].logprob for t, step in zip(sample.token_ids, sample.logprobs)]
+    expected = [step[t].logprob for t, step in zip(sample.token_ids, sample.logprobs, strict=True)]
+    assert len(expected) == 4  # max_tokens, ignore_eos
     if "chat" in url:
         assert [c["logprob"] for c in choice["logprobs"]["content"]] == expected
         assert all(len(c["top_logprobs"]) == 2 for c in choice["logprobs"]["content"])

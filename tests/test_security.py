@@ -8,10 +8,9 @@ import stat
 import tempfile
 
 import pytest
-from conftest import random_prompts
-from helpers import make_llm
+from helpers import make_llm, random_prompts
 
-from nanoserve import LLM, SamplingParams
+from nanoserve import SamplingParams
 
 
 def _address(hex_address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
@@ -111,7 +110,7 @@ def test_only_pickle_weights_is_a_clear_error(tiny_model, tmp_path):
     os.rename(path / "model.safetensors", path / "pytorch_model.bin")
     with pytest.raises(ValueError, match=r"no \*\.safetensors weights; it holds pickle weights \(pytorch_model\.bin\), "
                                          r"which nanoserve never loads"):
-        LLM(str(path), device="cpu")
+        make_llm(str(path))
 
 
 def test_code_in_a_checkpoint_never_runs(tiny_model, tmp_path):

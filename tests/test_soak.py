@@ -74,14 +74,14 @@ RECREATE_SCRIPT = textwrap.dedent("""
     # A dropped engine must be freed at once by reference counting, not whenever the cycle
     # collector next runs: until then its weights and KV cache stay resident.
     gc.disable()
-    from helpers import child_pids, rss_mb
-    from nanoserve import LLM, SamplingParams
+    from helpers import child_pids, make_llm, rss_mb
+    from nanoserve import SamplingParams
 
     report = {"rss": [], "alive": [], "threads": [], "children": []}
     previous = None
     for i in range(20):
         # Rebinding the name drops the last engine, as re-running a notebook cell does; no gc.collect().
-        llm = LLM(sys.argv[1], device="cpu", max_model_len=256, num_kvcache_blocks=64)
+        llm = make_llm(sys.argv[1], dtype="bfloat16", max_model_len=256, num_kvcache_blocks=64)
         report["alive"].append(previous is not None and previous() is not None)
         llm.generate(["The quick brown fox"] * 4, SamplingParams(max_tokens=8), use_tqdm=i % 2 == 0)
         llm.chat([{"role": "user", "content": "Hi!"}], SamplingParams(max_tokens=4), use_tqdm=False)

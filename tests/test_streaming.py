@@ -1,8 +1,8 @@
 """LLM.generate_stream: bounded reading of the input, error results, early close, request abort."""
 import pytest
 
-from conftest import random_prompts
-from nanoserve import LLM, RequestError, SamplingParams
+from helpers import assert_no_leak, make_llm, random_prompts
+from nanoserve import RequestError, SamplingParams
 from nanoserve.engine.sequence import SequenceStatus
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -10,17 +10,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm(tiny_model):
-    return LLM(tiny_model, device="cpu", dtype="float32", kvcache_block_size=8, num_kvcache_blocks=128,
-               max_model_len=128, max_num_seqs=4)
-
-
-def assert_no_leak(llm: LLM) -> None:
-    """Nothing in the engine; every block free or held only by the prefix cache."""
-    bm = llm.engine.block_manager
-    assert llm.engine.is_finished() and not llm.engine.requests
-    assert all(block.ref_count == 0 for block in bm.pool.blocks)
-    assert bm.num_free_blocks == bm.pool.num_blocks
-    bm.check_integrity([])
+    return make_llm(tiny_model, num_kvcache_blocks=128, max_model_len=128, max_num_seqs=4)
 
 
 class CountingIterator:

@@ -15,18 +15,17 @@ import time
 
 import pytest
 
-from conftest import random_prompts
-from helpers import child_pids
-from nanoserve import LLM, SamplingParams
+import helpers
+from helpers import child_pids, random_prompts
+from nanoserve import SamplingParams
 from nanoserve.engine.runner import Runner
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
 def make_llm(path, tp=2, **kw):
-    kw = {"device": "cpu", "dtype": "float32", "kvcache_block_size": 8, "num_kvcache_blocks": 64,
-          "max_model_len": 256, "tensor_parallel_size": tp, **kw}
-    return LLM(path, **kw)
+    kw = {"num_kvcache_blocks": 64, "max_model_len": 256, "tensor_parallel_size": tp, **kw}
+    return helpers.make_llm(path, **kw)
 
 
 def tokens(outputs):

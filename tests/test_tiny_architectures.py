@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+import transformers
 from safetensors import safe_open
 
 from nanoserve.utils.tiny_checkpoint import (
@@ -19,7 +20,6 @@ from nanoserve.utils.tiny_checkpoint import (
     ensure_tiny_checkpoint,
 )
 
-transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
 ARCHS = list(ARCHITECTURES)

@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+import transformers
 from safetensors import safe_open
 
 from nanoserve.utils.tiny_checkpoint import (
@@ -21,7 +22,6 @@ from nanoserve.utils.tiny_checkpoint import (
     ensure_tiny_qwen3,
 )
 
-transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()  # keeps load-report noise out of test output
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "What is the capital of France?"]

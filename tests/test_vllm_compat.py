@@ -71,7 +71,7 @@ def test_generate_example_defaults_then_mutate(llm):
     assert sampling_params.top_k == 0
     explicit = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in explicit]
-    assert all(len(o.outputs[0].token_ids) <= 5 for o in outputs)
+    assert len(outputs) == len(PROMPTS) and all(len(o.outputs[0].token_ids) <= 5 for o in outputs)
     # get_default_sampling_params() hands out a fresh object: the mutation above did not stick.
     assert llm.get_default_sampling_params().max_tokens == 16
 
