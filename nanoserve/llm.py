@@ -220,8 +220,7 @@ class LLM:
 
     @property
     def prefix_cache_hit_rate(self) -> float:
-        bm = self.engine.block_manager
-        return bm.num_hit_tokens / bm.num_queried_tokens if bm.num_queried_tokens else 0.0
+        return self.engine.block_manager.hit_rate
 
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """Forget every cached block; True once done (as vLLM). Nothing runs between generate()

@@ -39,7 +39,6 @@ class ProgressBar:
 
     def close(self) -> None:
         if self.enabled:
-            bm = self.engine.block_manager
-            rate = bm.num_hit_tokens / bm.num_queried_tokens if bm.num_queried_tokens else 0.0
+            rate = self.engine.block_manager.hit_rate
             self.bar.set_postfix_str(f"{self.bar.postfix}, prefix-cache hit rate={rate:.1%}")
         self.bar.close()

@@ -50,6 +50,10 @@ class BlockManager:
         self.num_hit_tokens = 0
 
     @property
+    def hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
+
+    @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 

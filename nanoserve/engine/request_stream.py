@@ -1,10 +1,8 @@
 """The one step loop: requests in, `LLMEngine.step()` until they finish, results out as they finish.
 
-`generate` feeds it every request at once; `generate_stream`, run-batch and Ray feed it lazily
-through `stream_requests`, reading more input only while fewer than `max_inflight` requests are
-in the engine, so memory is set by that window and not by the input's size; the benchmark
-driver adds requests between steps as they arrive. A RequestError item (input rejected before
-it ran) passes straight through, so one bad line never ends a run of millions.
+`generate` feeds it every request at once; `generate_stream`, run-batch and Ray read their input
+only while fewer than `max_inflight` requests are in flight (memory is set by that window, not by
+the input); the benchmark driver adds requests between steps as they arrive.
 """
 from __future__ import annotations
 
@@ -74,8 +72,8 @@ def stream_requests(
 ) -> Iterator[tuple[Hashable, Result]]:
     """Run `(key, request)` items through the engine, yielding `(key, result)` as each finishes.
 
-    If `items` itself raises, the requests in flight are finished and yielded first, then the
-    error is raised. Closing the generator early aborts what is in flight and frees its KV blocks.
+    A RequestError item passes straight through (one bad line never ends a run of millions). If
+    `items` raises, what is in flight is finished first. Closing early aborts what is in flight.
     """
     items = iter(items)
     input_error: Exception | None = None
