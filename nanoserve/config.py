@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from nanoserve.checkpoint import read_json
+from nanoserve.backends import BACKEND_NAMES as ATTENTION_BACKENDS
 from nanoserve.models import model_class, sliding_window
 
 # The dtypes the engine runs in, by name: the one table ("auto" is resolved at startup, resolve_dtype).
@@ -15,7 +16,6 @@ DTYPES = ("auto", *TORCH_DTYPES)
 # vLLM's spellings of the same dtypes (torch.dtype values are accepted too).
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 DEVICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKENDS = ("auto", "cpu", "torch", "flash_attn", "triton")  # see nanoserve/backends
 WEIGHT_SUFFIXES = (".safetensors",)
 # Weights in pickle files: unpickling runs arbitrary code, so they are never read.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")

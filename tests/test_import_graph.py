@@ -23,16 +23,6 @@ import nanoserve
 
 # Cycles that other commits of the same series remove (issue 20); each must still exist, so an
 # entry is deleted with the cycle it names. Not a place for new cycles.
-PENDING_MODULE_CYCLES = {
-    frozenset({"nanoserve.llm", "nanoserve.streaming"}),  # TYPE_CHECKING: streaming takes the LLM facade
-}
-PENDING_FOLDER_CYCLES = {
-    frozenset({"llm.py", "streaming.py"}),  # the same cycle
-    # config.py's checkpoint checks import models and layers.rotary_embedding (inside functions),
-    # which import backends, whose __init__ reads config.ATTENTION_BACKENDS.
-    frozenset({"backends", "config.py", "layers", "models"}),
-}
-
 ROOT = Path(nanoserve.__file__).parent
 PACKAGE = ROOT.name
 
@@ -135,12 +125,10 @@ def cycle_in(graph: dict[str, set[str]], component: set[str]) -> list[str]:
     raise AssertionError(f"{sorted(component)} is not strongly connected")
 
 
-def check_acyclic(graph: dict[str, set[str]], pending: set[frozenset[str]], what: str) -> None:
+def check_acyclic(graph: dict[str, set[str]], what: str) -> None:
     found = set(components(graph))
-    new = found - pending
-    assert not new, f"import cycles between {what} (one cycle shown per tangle):\n" + "\n".join(
-        "  " + " -> ".join(cycle_in(graph, c)) for c in sorted(new, key=min))
-    assert not pending - found, f"cycles now gone: remove {sorted(map(sorted, pending - found))} from the PENDING list"
+    assert not found, f"import cycles between {what} (one cycle shown per tangle):\n" + "\n".join(
+        "  " + " -> ".join(cycle_in(graph, c)) for c in sorted(found, key=min))
 
 
 def test_the_graph_sees_every_kind_of_import():
@@ -159,18 +147,16 @@ def test_cycles_are_found_and_named():
     assert components(graph) == [frozenset("abc")]
     assert cycle_in(graph, frozenset("abc")) == ["a", "b", "c", "a"]
     with pytest.raises(AssertionError, match="a -> b -> c -> a"):
-        check_acyclic(graph, set(), "modules")
-    check_acyclic(graph, {frozenset("abc")}, "modules")
-    with pytest.raises(AssertionError, match="now gone"):
-        check_acyclic({"a": set()}, {frozenset("abc")}, "modules")
+        check_acyclic(graph, "modules")
+    check_acyclic({"a": {"b"}, "b": set()}, "modules")
 
 
 def test_no_module_imports_itself_through_others():
-    check_acyclic(import_graph(), PENDING_MODULE_CYCLES, "modules")
+    check_acyclic(import_graph(), "modules")
 
 
 def test_no_folder_imports_itself_through_others():
-    check_acyclic(folder_graph(import_graph()), PENDING_FOLDER_CYCLES, "folders")
+    check_acyclic(folder_graph(import_graph()), "folders")
 
 
 def test_distributed_holds_collectives_only():

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from nanoserve.utils.cache import cache_root
+from nanoserve.cache import cache_root
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import shutil
 import tempfile
 
 from nanoserve.config import TORCH_DTYPES as DTYPES
-from nanoserve.utils.cache import cache_root
+from nanoserve.cache import cache_root
 from nanoserve.utils.tiny_configs import (
     ARCHITECTURES,
     LLAMA_3_2_1B,
