@@ -12,6 +12,8 @@ logits by up to ~0.08, more than that rule allows.
 from __future__ import annotations
 
 import importlib
+import logging
+import re
 import sys
 from pathlib import Path
 
@@ -20,6 +22,7 @@ import torch
 
 from helpers import assert_no_leak, make_llm, make_paged_batch, naive_paged_attention, random_prompts
 from nanoserve import LLM, SamplingParams
+from nanoserve.backends import flash_attn_unusable, select_backend
 from nanoserve.backends.base import Backend
 from nanoserve.backends.flash_attn import FlashAttnBackend
 from nanoserve.engine.model_inputs import build_model_inputs
@@ -163,6 +166,52 @@ def test_engine_generates_through_flash_attn_like_the_torch_backend(fake_flash_a
                                   reverse=True)
                     assert top2[0] - top2[1] < 1e-2, f"diverged at step {step} with a clear top-1: {top2}"
                     break
+
+
+@pytest.fixture
+def cuda_device_for_selection(monkeypatch):
+    """A CUDA device of compute capability 9.0 as backend selection sees it (no kernel runs)."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    return torch.device("cuda")
+
+
+@pytest.mark.parametrize("init, reason", [
+    ("raise ImportError('flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDeviceEi')",
+     r"failed to import \(ImportError: .*undefined symbol"),
+    ("raise OSError('libcudart.so.11.0: cannot open shared object file')", r"failed to import \(OSError: "),
+    ("__version__ = '2.6.1'", r"flash-attn 2.6.1 is older than 2.6.2"),
+    (None, r"not installed"),
+])
+def test_a_broken_or_old_flash_attn_falls_back_to_triton(tmp_path, monkeypatch, caplog, cuda_device_for_selection,
+                                                         init, reason):
+    """Found on the path is not usable: a wheel built for another torch fails at import, 2.5.7-2.6.1
+    has the split-KV bug. `auto` logs why and runs Triton; asking for flash_attn names the reason."""
+    from nanoserve.backends.triton import TritonBackend
+
+    if init is None:
+        monkeypatch.setitem(sys.modules, "flash_attn", None)  # what an uninstalled package looks like
+    else:
+        (tmp_path / "flash_attn").mkdir()
+        (tmp_path / "flash_attn" / "__init__.py").write_text(init + "\n")
+        monkeypatch.syspath_prepend(str(tmp_path))
+        monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    with caplog.at_level(logging.INFO, logger="nanoserve.backends"):
+        backend = select_backend(cuda_device_for_selection, torch.bfloat16, "auto", None, 128)
+    assert type(backend) is TritonBackend
+    assert re.search(reason, caplog.text)
+    with pytest.raises(ValueError, match="attention_backend='flash_attn' cannot run: .*" + reason):
+        select_backend(cuda_device_for_selection, torch.bfloat16, "flash_attn", None, 128)
+    sys.modules.pop("flash_attn", None)
+
+
+def test_a_working_flash_attn_is_chosen_where_it_can_run(fake_flash_attn, cuda_device_for_selection):
+    from nanoserve.kernels import flash_attn as fa
+
+    assert type(select_backend(cuda_device_for_selection, torch.bfloat16, "auto", None, 128)) is FlashAttnBackend
+    assert fa.flash_attn_supports_block_size(256) and fa.flash_attn_supports_block_size(512)
+    assert not fa.flash_attn_supports_block_size(16) and not fa.flash_attn_supports_block_size(0)
+    assert "kvcache_block_size" in flash_attn_unusable(cuda_device_for_selection, torch.bfloat16, 16, 128)
+    assert "float16 or bfloat16" in flash_attn_unusable(cuda_device_for_selection, torch.float32, None, 128)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the smoke script runs for minutes")

@@ -309,24 +309,6 @@ def test_triton_decode_compiles_a_bounded_set_of_variants() -> None:
         assert not runtime & {p.name for p in kernel.params if p.is_constexpr}
 
 
-def test_flash_attn_wrapper_is_lazy_and_reports_block_sizes(tmp_path, monkeypatch) -> None:
-    from nanoserve.kernels import flash_attn as fa
-
-    # Present: a package named flash_attn on the path is found without being imported.
-    (tmp_path / "flash_attn").mkdir()
-    (tmp_path / "flash_attn" / "__init__.py").write_text("raise ImportError('must not be imported')\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
-    importlib.reload(fa)
-    assert fa.flash_attn_available() is True
-    assert "flash_attn" not in sys.modules, "looking for flash_attn must not import it"
-    # Absent (an import of it would fail): reported as missing.
-    monkeypatch.setitem(sys.modules, "flash_attn", None)
-    assert fa.flash_attn_available() is False
-    assert fa.flash_attn_supports_block_size(256) and fa.flash_attn_supports_block_size(512)
-    assert not fa.flash_attn_supports_block_size(16) and not fa.flash_attn_supports_block_size(0)
-
-
 if __name__ == "__main__":
     # Child-process mode (see module docstring): argv holds the case names to run.
     results = _run_triton_cases(sys.argv[1:] or list(TRITON_CASES))

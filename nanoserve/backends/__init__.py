@@ -57,8 +57,9 @@ def flash_attn_unusable(
     """Why flash-attn 2 cannot run this engine here, or None if it can."""
     from nanoserve.kernels import flash_attn as fa
 
-    if not fa.flash_attn_available():
-        return "the flash-attn package is not installed (pip install nanoserve[cuda])"
+    reason = fa.flash_attn_unusable_reason()
+    if reason is not None:
+        return reason
     capability = torch.cuda.get_device_capability(device)
     if capability < fa.MIN_COMPUTE_CAPABILITY:
         return f"flash-attn 2 needs compute capability >= 8.0, this GPU has {capability[0]}.{capability[1]}"

@@ -1,7 +1,7 @@
 """Thin wrappers around flash-attn 2 (Dao-AILab/flash-attention), with the upstream contract spelled out.
 
 `flash_attn` is imported inside the calls, never at module import, so this module loads on
-machines without it; check `flash_attn_available()` first. The contract, as enforced in
+machines without it; check `flash_attn_unusable_reason()` first. The contract, as enforced in
 `csrc/flash_attn/flash_api.cpp` (`mha_varlen_fwd`) and documented in `flash_attn_interface.py`:
   * q/k/v fp16 or bf16, all the same dtype, last dimension contiguous; head_dim a multiple of 8
     and <= 256; compute capability >= 8.0 ("FlashAttention only supports Ampere GPUs or newer");
@@ -16,22 +16,39 @@ machines without it; check `flash_attn_available()` first. The contract, as enfo
 Everything here goes through `flash_attn_varlen_func`. Decode uses it too (one query per sequence)
 instead of `flash_attn_with_kvcache`: after v2.8.3, mha_fwd_kvcache with a block table calls
 `seqlens_k.max().item()` (a host sync that breaks CUDA-graph capture); mha_varlen_fwd has none.
-Paged varlen needs flash-attn >= 2.5.7 (pinned in pyproject's `cuda` extra).
+Paged varlen arrived in 2.5.7, but up to 2.6.1 the split-KV path (nanoserve's decode: varlen, one
+query, GQA) frees its accumulators before the kernel runs ("Fix ima for split-kv kernel", 2.6.2):
+MIN_VERSION, also pyproject's `cuda` extra.
 """
 from __future__ import annotations
 
-import importlib.util
+import re
 
 import torch
 
 # Upstream flash-attn 2: paged KV block size must be divisible by this (see module docstring).
 FLASH_ATTN_PAGE_BLOCK_MULTIPLE = 256
 MIN_COMPUTE_CAPABILITY = (8, 0)
+MIN_VERSION = (2, 6, 2)
 
 
-def flash_attn_available() -> bool:
-    """Whether the `flash_attn` package is installed (looked up without importing it)."""
-    return importlib.util.find_spec("flash_attn") is not None
+def flash_attn_unusable_reason() -> str | None:
+    """Why the installed flash-attn cannot run (missing, fails to import, too old), or None.
+
+    Imported, not looked up: its prebuilt wheels are per torch version, and one built for another
+    torch is found on the path but fails to import (undefined symbol: ImportError or OSError)."""
+    try:
+        import flash_attn
+    except ModuleNotFoundError as exc:
+        if exc.name == "flash_attn":
+            return "the flash-attn package is not installed (pip install nanoserve[cuda])"
+        return f"flash-attn failed to import (ModuleNotFoundError: {exc})"
+    except (ImportError, OSError) as exc:  # e.g. a wheel built for another torch
+        return f"flash-attn failed to import ({type(exc).__name__}: {exc}); reinstall it for this torch"
+    version = getattr(flash_attn, "__version__", "0")
+    if tuple(int(x) for x in re.findall(r"\d+", version)[:3]) < MIN_VERSION:
+        return f"flash-attn {version} is older than 2.6.2, whose fix the split-KV decode needs"
+    return None
 
 
 def flash_attn_supports_block_size(block_size: int) -> bool:
