@@ -14,6 +14,7 @@ from nanoserve.engine import memory
 from nanoserve.engine.kv_cache_spec import KVCacheSpec
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.warmup import decode_batch, prefill_batch
+from nanoserve.models import head_dim_of
 
 GiB = 2**30
 BLOCK_BYTES = 2**20  # 1 MiB per KV block
@@ -24,6 +25,7 @@ class FakeDevice:
     def __init__(self, total: int, used_by_others: int = 0) -> None:
         self.total, self.others = total, used_by_others
         self.allocated = self.cached = self.peak = 0
+        self.non_torch = 0  # this process's memory outside torch's allocator (cuBLAS, NCCL)
         self.empty_cache_calls = 0
 
     # what the engine's code allocates through
@@ -40,7 +42,7 @@ class FakeDevice:
         self.cached += n  # kept by the allocator, not given back to the driver
 
     def free_now(self) -> int:
-        return self.total - self.others - self.allocated - self.cached
+        return self.total - self.others - self.non_torch - self.allocated - self.cached
 
     # the DeviceMemory protocol
     def mem_get_info(self) -> tuple[int, int]:
@@ -51,6 +53,9 @@ class FakeDevice:
 
     def max_memory_allocated(self) -> int:
         return self.peak
+
+    def memory_reserved(self) -> int:
+        return self.allocated + self.cached
 
     def reset_peak_memory_stats(self) -> None:
         self.peak = self.allocated
@@ -63,11 +68,14 @@ class FakeDevice:
 class FakeEngine:
     """What an engine does to device memory: weights, a warm-up, graphs, then the KV cache."""
 
-    def __init__(self, device: FakeDevice, weights: int, activations: int, graphs: int) -> None:
+    def __init__(self, device: FakeDevice, weights: int, activations: int, graphs: int, non_torch: int = 0) -> None:
         self.device, self.weights, self.activations, self.graphs = device, weights, activations, graphs
+        self.non_torch = non_torch  # taken outside torch by the first forward (a cuBLAS workspace, NCCL buffers)
         self.kv_bytes = 0
 
     def transient(self, n: int) -> None:
+        self.device.non_torch += self.non_torch
+        self.non_torch = 0
         self.device.alloc(n)
         self.device.release(n)
 
@@ -118,6 +126,39 @@ def test_a_second_engine_while_the_first_lives_gets_what_remains_or_a_clear_erro
     third = FakeEngine(device, weights=GiB // 4, activations=GiB // 5, graphs=0)  # 0.5 GiB are free
     with pytest.raises(ValueError, match=r"not enough GPU memory.*free on the device.*max_model_len=1024"):
         third.start(0.9)
+
+
+def test_memory_taken_outside_torch_is_charged_to_the_engine():
+    """A workspace the first forward takes from the driver (not through torch's allocator) comes
+    out of this engine's share, as vLLM's non_torch_increase does: the total stays within
+    gpu_memory_utilization."""
+    device = FakeDevice(total=16 * GiB, used_by_others=GiB)
+    engine = FakeEngine(device, weights=2 * GiB, activations=GiB // 2, graphs=GiB // 4, non_torch=GiB)
+    blocks = engine.start(0.5)
+    assert blocks == (8 * GiB - 2 * GiB - GiB // 2 - GiB // 4 - GiB) // BLOCK_BYTES
+    assert device.allocated + device.non_torch + GiB // 2 + GiB // 4 <= 8 * GiB
+
+
+def test_the_warm_up_scratch_kv_cache_is_not_counted_as_activations(tiny_model):
+    """The real runner, its KV-cache allocations made on the fake device: the scratch cache its
+    warm-up writes to is freed before the real cache exists, so it costs the real cache nothing."""
+    device = FakeDevice(total=GiB)
+
+    class KVOnFakeDevice(ModelRunner):
+        def _allocate_kv_cache(self, num_blocks: int) -> None:
+            device.release(self.num_kvcache_blocks * self.kv_block_bytes)
+            super()._allocate_kv_cache(num_blocks)
+            device.alloc(num_blocks * self.kv_block_bytes)
+
+    config = Config(tiny_model, device="cpu", dtype="float32", kvcache_block_size=16, max_model_len=256,
+                    max_num_seqs=64, max_num_batched_tokens=300, gpu_memory_utilization=0.5)
+    cfg = config.hf_config
+    block_bytes = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim_of(cfg) * 16 * 4
+    device.total = 2 * 200 * block_bytes  # half of it: 200 blocks, under the cap of 64 x 16
+    runner = KVOnFakeDevice(config, torch.device("cpu"), memory=device)
+    assert runner.kv_block_bytes == block_bytes
+    assert runner.num_kvcache_blocks == 200
+    assert device.allocated == 200 * block_bytes
 
 
 def test_too_small_a_budget_names_the_numbers():

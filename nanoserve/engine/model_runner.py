@@ -146,9 +146,9 @@ class ModelRunner:
     # ---- warm-up: the worst-case step, for peak memory -------------------------------------
 
     @torch.inference_mode()
-    def profile_run(self) -> None:
+    def profile_run(self) -> int:
         """A forward at max_num_batched_tokens tokens and a sampler pass at max_num_seqs rows with
-        logprobs, over a scratch KV cache of one sequence (freed after)."""
+        logprobs, over a scratch KV cache of one sequence (freed after); returns its bytes."""
         cfg = self.config
         self._allocate_kv_cache(self.kv_spec.blocks_per_seq)
         batch = warmup.prefill_batch(cfg.max_num_batched_tokens, cfg.max_model_len, cfg.max_num_seqs,
@@ -160,14 +160,16 @@ class ModelRunner:
             rows = warmup.sampling_rows(cfg.max_num_seqs, self.vocab_size, cfg.max_logprobs)
             self.sampler(logits, SamplingMetadata.build(rows, self.vocab_size, self.device))
         self._allocate_kv_cache(0)
+        return self.kv_spec.blocks_per_seq * self.kv_block_bytes
 
     @torch.inference_mode()
-    def _decode_profile_run(self) -> None:
+    def _decode_profile_run(self) -> int:
         """A decode of max_num_seqs sequences: what the CUDA graphs' shared pool will hold."""
         self._allocate_kv_cache(self.kv_spec.blocks_per_seq)
         inputs = to_device(self.prepare_inputs(warmup.decode_batch(self.config.max_num_seqs, 1)), self.device)
         self.forward(inputs.input_ids, inputs.positions, inputs.meta)
         self._allocate_kv_cache(0)
+        return self.kv_spec.blocks_per_seq * self.kv_block_bytes
 
     def close(self) -> None:
         """Release the model, the KV cache and the CUDA graphs (a second engine gets their memory). Idempotent."""
