@@ -1,14 +1,17 @@
 """Engine configuration: one dataclass, validated once, read everywhere else."""
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field, fields
 
 import torch
 
-from nanoserve.checkpoint import read_json
 from nanoserve.backends import BACKEND_NAMES as ATTENTION_BACKENDS
+from nanoserve.checkpoint import read_json
 from nanoserve.models import model_class, sliding_window
+
+logger = logging.getLogger(__name__)
 
 # The dtypes the engine runs in, by name: the one table ("auto" is resolved at startup, resolve_dtype).
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -162,10 +165,16 @@ def canonical_dtype(dtype) -> str:
 
 
 def resolve_dtype(dtype: str, hf_config: dict, device: torch.device) -> torch.dtype:
-    """The torch dtype to run in: the one asked for, else bfloat16 on CPU, else the checkpoint's."""
+    """The torch dtype to run in: the one asked for, else bfloat16 on CPU, else the checkpoint's
+    (float32 checkpoints in bf16 on CUDA, fp16 before sm80)."""
     if dtype != "auto":
         return TORCH_DTYPES[dtype]
     if device.type == "cpu":
         return torch.bfloat16
     checkpoint = hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16"
-    return TORCH_DTYPES.get(checkpoint, torch.bfloat16)
+    if TORCH_DTYPES.get(checkpoint, torch.bfloat16) != torch.float32:
+        return TORCH_DTYPES.get(checkpoint, torch.bfloat16)
+    # As vLLM does: float32 would refuse flash-attn and run Triton's dots without tensor cores.
+    lowp = torch.bfloat16 if torch.cuda.get_device_capability(device) >= (8, 0) else torch.float16
+    logger.info("the checkpoint is float32: running it in %s on CUDA (dtype='float32' keeps float32)", lowp)
+    return lowp

@@ -214,6 +214,21 @@ def test_a_working_flash_attn_is_chosen_where_it_can_run(fake_flash_attn, cuda_d
     assert "float16 or bfloat16" in flash_attn_unusable(cuda_device_for_selection, torch.float32, None, 128)
 
 
+@pytest.mark.parametrize("capability, expected", [((9, 0), torch.bfloat16), ((7, 5), torch.float16)])
+def test_float32_checkpoints_run_in_half_precision_on_cuda(monkeypatch, caplog, capability, expected):
+    """vLLM's default: float32 would refuse flash-attn and run Triton without tensor cores."""
+    from nanoserve.config import resolve_dtype
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    cuda = torch.device("cuda")
+    with caplog.at_level(logging.INFO, logger="nanoserve.config"):
+        assert resolve_dtype("auto", {"torch_dtype": "float32"}, cuda) == expected
+    assert "checkpoint is float32" in caplog.text
+    assert resolve_dtype("float32", {"torch_dtype": "float32"}, cuda) == torch.float32  # asked for: kept
+    assert resolve_dtype("auto", {"torch_dtype": "float16"}, cuda) == torch.float16
+    assert resolve_dtype("auto", {"dtype": "float32"}, torch.device("cpu")) == torch.bfloat16
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the smoke script runs for minutes")
 def test_smoke_script_says_there_is_no_gpu_and_succeeds():
     import subprocess

@@ -16,9 +16,10 @@ lets the pure-Python parts (buckets, buffer sizing, padding) be tested on CPU.
   in one memory pool (`torch.cuda.graph_pool_handle()`), each after an eager warm-up run on a
   side stream (Triton compiles, cuBLAS and NCCL initialise, outside the capture). Only the
   transformer body is captured; the LM head, its gather and sampling run eagerly on the rows
-  that sample. `decode_max_context_len` is baked in as max_model_len: flash-attn ignores it, the
-  Triton decode kernel only uses it to choose its number of KV splits (it reads each sequence's
-  length from context_lens), the torch reference uses it to size its gather.
+  that sample. `decode_max_context_len` is baked in as max_model_len, which bounds every context:
+  flash-attn picks its number of KV splits from it and never reads keys past it (so it must not
+  be smaller than a real context), the Triton decode kernel only uses it to choose its split
+  count (it reads each sequence's length from context_lens), the torch reference sizes its gather.
 * With tensor parallelism every rank captures and replays the same buckets at the same step (the
   choice depends only on the config and the step's inputs, which all ranks share), so the
   collectives recorded in the graphs meet.
