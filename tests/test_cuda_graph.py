@@ -3,6 +3,7 @@
 Capture and replay themselves need CUDA and are not exercised here; the padding test instead
 runs the model eagerly on exactly the padded static inputs a captured graph would read.
 """
+import logging
 import sys
 
 import pytest
@@ -11,6 +12,7 @@ from helpers import make_llm
 
 import nanoserve.engine
 from nanoserve import SamplingParams
+from nanoserve.engine import cuda_graph
 from nanoserve.config import Config
 from nanoserve.engine.cuda_graph import (
     CUDAGraphRunner,
@@ -173,3 +175,56 @@ def test_cpu_run_never_imports_the_cuda_graph_module(tiny_model, monkeypatch):
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
     assert llm.engine.model_runner._cuda_graphs is None
+
+
+# ---- capture at startup --------------------------------------------------------------------
+
+
+class GraphsOnCPU(ModelRunner):
+    """The runner as on CUDA with graphs on; the capture is a fake (monkeypatched in)."""
+
+    uses_cuda_graphs = True
+
+
+class FakeCapture:
+    """Records what it captured with and replays by running the body eagerly; `error` makes capture raise."""
+
+    error: Exception | None = None
+
+    def __init__(self, forward, max_num_seqs, kv_spec, device) -> None:
+        self.forward, self.kv_spec, self.replays = forward, kv_spec, 0
+
+    def capture(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def can_run(self, inputs) -> bool:
+        return is_decode_only(inputs)
+
+    def run(self, inputs):
+        self.replays += 1
+        return self.forward(inputs.input_ids, inputs.positions, inputs.meta)
+
+
+def _graph_runner(path, monkeypatch, error=None):
+    monkeypatch.setattr(cuda_graph, "CUDAGraphRunner", type("Capture", (FakeCapture,), {"error": error}))
+    config = Config(path, device="cpu", dtype="float32", kvcache_block_size=4, num_kvcache_blocks=40,
+                    max_model_len=64, max_num_seqs=8)
+    return GraphsOnCPU(config, torch.device("cpu"))
+
+
+def test_graphs_are_captured_at_startup_after_the_kv_cache(tiny_model, monkeypatch):
+    runner = _graph_runner(tiny_model, monkeypatch)
+    graphs = runner._cuda_graphs
+    assert graphs is not None and graphs.kv_spec == runner.kv_spec and graphs.kv_spec.num_blocks == 40
+    logits = runner.execute(_decode_inputs(runner, [5, 9]))
+    assert graphs.replays == 1 and logits.shape[0] == 2  # the prefill ran eagerly, the decode replayed
+
+
+def test_a_failed_capture_falls_back_to_eager_with_the_reason_logged(tiny_model, monkeypatch, caplog):
+    error = RuntimeError("CUDA graph capture failed for decode batch size 8: operation not permitted")
+    with caplog.at_level(logging.WARNING, logger="nanoserve.engine.model_runner"):
+        runner = _graph_runner(tiny_model, monkeypatch, error)
+    assert runner._cuda_graphs is None
+    assert "operation not permitted" in caplog.text and "run eagerly" in caplog.text
+    assert runner.execute(_decode_inputs(runner, [5, 9])).shape[0] == 2

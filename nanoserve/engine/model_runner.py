@@ -64,8 +64,9 @@ class ModelRunner:
         self.kv_spec = KVCacheSpec(config.kvcache_block_size or self.backend.preferred_block_size, config.max_model_len)
         self.sampler = Sampler()
         self.kv_cache = torch.empty(0)
-        self._cuda_graphs = None  # decode CUDA graphs (cuda_graph.py), captured at the first decode step
-        ctx = ModelContext(self.backend, tp or TPGroup())
+        self._cuda_graphs = None  # decode CUDA graphs (cuda_graph.py), captured once the KV cache exists
+        self.tp = tp or TPGroup()
+        ctx = ModelContext(self.backend, self.tp)
         if memory is None and device.type == "cuda" and config.num_kvcache_blocks is None:
             memory = CudaMemory(device)
         budget = None
@@ -80,8 +81,14 @@ class ModelRunner:
             available = profile.kv_cache_budget(config.gpu_memory_utilization) // self.kv_block_bytes
             budget = profile.describe(config.gpu_memory_utilization)
             logger.info("KV cache: %s", budget)
-        self.kv_spec = self.kv_spec.sized(available, config.max_num_seqs, self.kv_block_bytes, budget)
+        spec = self.kv_spec.sized(available, config.max_num_seqs, self.kv_block_bytes, budget)
+        # Every rank takes the smallest cache any rank could afford (block ids mean the same on all),
+        # before the graphs bake in the cache's address.
+        agreed = self.tp.all_reduce(torch.tensor([spec.num_blocks], device=device), "min")
+        self.kv_spec = replace(spec, num_blocks=int(agreed.item()))
         self._allocate_kv_cache(self.kv_spec.num_blocks)
+        if self.uses_cuda_graphs:
+            self._capture_cuda_graphs()
 
     def _load_model(self, ctx: ModelContext) -> None:
         cfg = self.config.hf_config
@@ -195,26 +202,28 @@ class ModelRunner:
         if self.model is None:
             raise RuntimeError("this LLM is closed")
         inputs = to_device(inputs, self.device)
-        graphs = self._graphs_for(inputs)
-        if graphs is not None:
+        graphs = self._cuda_graphs
+        if graphs is not None and graphs.can_run(inputs):  # a decode-only step that fits a bucket
             hidden = graphs.run(inputs)
         else:
             hidden = self.forward(inputs.input_ids, inputs.positions, inputs.meta)
         return self.model.compute_logits(hidden[inputs.logits_indices])
 
-    def _graphs_for(self, inputs: ModelInputs):
-        """The decode CUDA graphs if this step can replay them (CUDA, not enforce_eager, decode only)."""
-        if not self.uses_cuda_graphs:
-            return None
+    def _capture_cuda_graphs(self) -> None:
+        """Capture the decode graphs at startup, right after the KV cache they read (vLLM's order).
+        A failed capture leaves decode eager, logged; with tensor parallelism it raises, since the
+        ranks' collectives would no longer meet."""
         from nanoserve.engine import cuda_graph  # CUDA only: a CPU run never imports it
 
-        if not cuda_graph.is_decode_only(inputs):
-            return None
-        if self._cuda_graphs is None:
-            graphs = cuda_graph.CUDAGraphRunner(self.forward, self.config.max_num_seqs, self.kv_spec, self.device)
+        graphs = cuda_graph.CUDAGraphRunner(self.forward, self.config.max_num_seqs, self.kv_spec, self.device)
+        try:
             graphs.capture()  # kept only when every bucket was captured: never replay a partial capture
-            self._cuda_graphs = graphs
-        return self._cuda_graphs if self._cuda_graphs.can_run(inputs) else None
+        except Exception as exc:
+            if self.tp.size > 1:
+                raise
+            logger.warning("%s; decode steps run eagerly", exc)
+            return
+        self._cuda_graphs = graphs
 
     @torch.inference_mode()
     def sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> StepOutput:
