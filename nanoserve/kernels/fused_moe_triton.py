@@ -5,6 +5,8 @@ entries are grouped by expert into a padded order where every BLOCK_M rows belon
 (`align_by_expert`, plain torch ops with no host sync, so decode can be captured in CUDA graphs);
 then one grouped GEMM kernel runs each block of rows against its expert's weights: up (gate and
 up projections), SiLU-and-mul, down (scaled by the routing weight), and a sum over each token's k.
+The tile is picked by tokens per expert (`moe_tile`): decode rows are few per expert, a long
+prefill's are many. NANOSERVE_TRITON_MOE_TILES=fixed keeps the one 16 x 64 x 64 tile for every shape.
 """
 from __future__ import annotations
 
@@ -18,7 +20,18 @@ try:  # triton is optional on CPU-only installs; the kernel below is only define
 except ImportError:  # pragma: no cover - exercised only where triton is missing
     triton = None
 
-BLOCK_M = 16  # rows of one expert per program (tl.dot's minimum)
+BLOCK_M = 16  # rows of one expert per program (tl.dot's minimum): the fixed tile's
+# (most tokens per expert, (BLOCK_M, BLOCK_N, BLOCK_K, num_warps)), first match. vLLM ships tuned
+# tables per GPU and shape; this follows the shape of its default heuristic (small M while experts
+# see few rows, 64-row tiles past that), to be tuned on a GPU (the smoke test runs both paths).
+MOE_TILES = ((16, (16, 64, 64, 4)), (128, (32, 64, 64, 4)), (float("inf"), (64, 128, 64, 8)))
+FIXED_TILE = (BLOCK_M, 64, 64, 4)
+
+
+def moe_tile(num_tokens: int, top_k: int, num_experts: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for this many (token, k) rows per expert on average."""
+    per_expert = num_tokens * top_k / num_experts
+    return next(tile for limit, tile in MOE_TILES if per_expert <= limit)
 
 
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,19 +96,20 @@ if triton is not None:
                  mask=valid[:, None] & n_valid[None, :])
 
 
-def _grouped_gemm(a, b, out, scale, sorted_entries, block_expert, a_row_div: int, scale_rows: bool) -> None:
+def _grouped_gemm(a, b, out, scale, sorted_entries, block_expert, a_row_div: int, scale_rows: bool, tile) -> None:
     """out[entry] = a[entry // a_row_div] @ b[expert of entry].T (* scale[entry])."""
     num_experts, n, k = b.shape
-    block_n = min(64, max(16, triton.next_power_of_2(n)))
-    block_k = min(64, max(16, triton.next_power_of_2(k)))
+    block_m, block_n, block_k, num_warps = tile
+    block_n = min(block_n, max(16, triton.next_power_of_2(n)))
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     grid = (block_expert.shape[0], triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
         a, b, out, scale, sorted_entries, block_expert,
         out.shape[0], num_experts, n, k,
         a.stride(0), b.stride(0), b.stride(1), out.stride(0),
-        A_ROW_DIV=a_row_div, SCALE_ROWS=scale_rows, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+        A_ROW_DIV=a_row_div, SCALE_ROWS=scale_rows, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         # Triton's CPU interpreter multiplies bf16 as raw bits (see triton_paged_attention._dot_fp32).
-        DOT_FP32=a.device.type == "cpu",
+        DOT_FP32=a.device.type == "cpu", num_warps=num_warps,
     )
 
 
@@ -105,17 +119,19 @@ def fused_moe_triton(
     w2: torch.Tensor,  # [num_experts, hidden, intermediate]
     topk_weights: torch.Tensor,  # [num_tokens, top_k]
     topk_ids: torch.Tensor,  # [num_tokens, top_k]
+    tile_table: bool = True,  # False: FIXED_TILE for every shape
 ) -> torch.Tensor:  # [num_tokens, hidden]
     if triton is None:
         raise RuntimeError("fused_moe_triton needs triton; install it or use the torch backend")
     if not (x.is_contiguous() and w13.is_contiguous() and w2.is_contiguous()):
         raise ValueError("fused_moe_triton needs contiguous x, w13 and w2")
     num_tokens, top_k = topk_ids.shape
-    sorted_entries, block_expert = align_by_expert(topk_ids, w13.shape[0], BLOCK_M)
+    tile = moe_tile(num_tokens, top_k, w13.shape[0]) if tile_table else FIXED_TILE
+    sorted_entries, block_expert = align_by_expert(topk_ids, w13.shape[0], tile[0])
     weights = topk_weights.flatten().contiguous()
     up = torch.empty(num_tokens * top_k, w13.shape[1], dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, up, weights, sorted_entries, block_expert, top_k, False)
+    _grouped_gemm(x, w13, up, weights, sorted_entries, block_expert, top_k, False, tile)
     act = silu_and_mul(up).contiguous()  # [num_entries, intermediate]
     down = torch.empty(num_tokens * top_k, w2.shape[1], dtype=x.dtype, device=x.device)
-    _grouped_gemm(act, w2, down, weights, sorted_entries, block_expert, 1, True)
+    _grouped_gemm(act, w2, down, weights, sorted_entries, block_expert, 1, True, tile)
     return down.view(num_tokens, top_k, -1).sum(dim=1)

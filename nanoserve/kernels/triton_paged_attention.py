@@ -3,10 +3,13 @@
 Same signatures and semantics as the PyTorch references in `paged_attention.py`: sequence s has
 q_len new query tokens (their K/V already stored in the cache) and context_len cached tokens in
 total; query i sits at position context_len - q_len + i and sees keys 0..that position. K/V are
-read through the block table, one key at a time: key n of a sequence lives in physical block
-block_tables[s, n // block_size] at offset n % block_size. Looking the block up per key (instead
-of per page) is what lets any block size work, 1, 16, 256 or 6 alike; the block-table gather is
-a few bytes per key next to the head_dim-wide K/V rows, and it hits L1 when keys share a block.
+read through the block table: key n of a sequence lives in physical block
+block_tables[s, n // block_size] at offset n % block_size. Looking the block up per key is what
+lets any block size work, 1, 16, 256 or 6 alike; the decode kernel and the old prefill path do
+that. The prefill's default path (power-of-2 block sizes >= 16) tiles the keys by KV block: each
+key tile lies inside one block, looked up once, its rows one stride apart; tiles every query row
+of the program sees whole skip the causal mask; the registers the per-key pointer tiles held
+buy larger key tiles. NANOSERVE_TRITON_PREFILL=key selects the per-key path (backends/triton.py).
 
 Two kernels:
   * varlen (prefill, prefix-cached prefill, chunked prefill, mixed batches): one program per
@@ -38,6 +41,37 @@ MAX_KV_SPLITS = 64  # a power of 2: the merge kernel's fixed tile
 
 if triton is not None:
 
+    @triton.jit
+    def _block_tile(k_cache_ptr, v_cache_ptr, bt_row, n_start, block_size, kv_head, offs_t, offs_d, d_mask,
+                    stride_k_block, stride_k_slot, stride_k_head, stride_v_block, stride_v_slot, stride_v_head):
+        """K and V of keys n_start + offs_t, a tile inside one block: its table entry is loaded once.
+        n_start < kv_end, so the block is real; keys of it past kv_end are read, then masked."""
+        block = tl.load(bt_row + n_start // block_size).to(tl.int64)
+        slot = (n_start % block_size + offs_t).to(tl.int64)
+        k_rows = block * stride_k_block + kv_head * stride_k_head + slot * stride_k_slot
+        v_rows = block * stride_v_block + kv_head * stride_v_head + slot * stride_v_slot
+        k = tl.load(k_cache_ptr + k_rows[:, None] + offs_d[None, :], mask=d_mask[None, :], other=0.0)
+        v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :], mask=d_mask[None, :], other=0.0)
+        return k, v  # [BLOCK_N, BLOCK_D] each
+
+    @triton.jit
+    def _attend(q, k, v, m_i, l_i, acc, visible, scale_log2, MASKED: tl.constexpr,
+                DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+        """One online-softmax step over a key tile (k, v: [BLOCK_N, BLOCK_D]); without MASKED every
+        score is visible and the mask is skipped."""
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        if MASKED:
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)  # rescales what was accumulated under the old max
+        p = tl.exp2(s - m_new[:, None])  # [BLOCK_M, BLOCK_N], 0 where masked
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        return m_new, l_i, acc
+
     # Integer arguments that change from step to step must not be specialised on (Triton compiles a
     # variant per value class: == 1, divisible by 16, other): the block-table width changes every step.
     @triton.jit(do_not_specialize=["stride_bt_seq"])
@@ -59,6 +93,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,  # keys per inner step
         DOT_PRECISION: tl.constexpr,
         DOT_FP32: tl.constexpr,  # upcast dot operands (CPU interpreter + bf16 only, see _dot_fp32)
+        TILE_BY_BLOCK: tl.constexpr,  # BLOCK_N divides block_size: one block-table load per key tile
     ):
         tile = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -98,32 +133,36 @@ if triton is not None:
         last_tok = tl.minimum(tok0 + TOKENS_PER_TILE, q_len) - 1
         kv_end = context_len - q_len + last_tok + 1
         bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
-        for n_start in range(0, kv_end, BLOCK_N):
-            offs_n = n_start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
-            n_valid = offs_n < kv_end
-            # Beyond kv_end the table may hold -1 padding: the mask keeps those entries unread.
-            block = tl.load(bt_row + offs_n // block_size, mask=n_valid, other=0).to(tl.int64)
-            slot = (offs_n % block_size).to(tl.int64)
-            k_rows = block * stride_k_block + slot * stride_k_slot + kv_head * stride_k_head
-            v_rows = block * stride_v_block + slot * stride_v_slot + kv_head * stride_v_head
-            kv_mask = n_valid[:, None] & d_mask[None, :]
-            k = tl.load(k_cache_ptr + k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-            # k, v: [BLOCK_N, BLOCK_D]
-            if DOT_FP32:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
-            visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
-            s = tl.where(visible, s, float("-inf"))
-
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)  # rescales what was accumulated under the old max
-            p = tl.exp2(s - m_new[:, None])  # [BLOCK_M, BLOCK_N], 0 where masked
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+        if TILE_BY_BLOCK:
+            offs_t = tl.arange(0, BLOCK_N)
+            # Keys [0, full_end) are visible to every row (the first row's position bounds them).
+            full_end = (context_len - q_len + tok0 + 1) // BLOCK_N * BLOCK_N
+            for n_start in range(0, full_end, BLOCK_N):
+                k, v = _block_tile(k_cache_ptr, v_cache_ptr, bt_row, n_start, block_size, kv_head, offs_t, offs_d,
+                                   d_mask, stride_k_block, stride_k_slot, stride_k_head,
+                                   stride_v_block, stride_v_slot, stride_v_head)
+                m_i, l_i, acc = _attend(q, k, v, m_i, l_i, acc, None, scale_log2, False, DOT_PRECISION, DOT_FP32)
+            for n_start in range(full_end, kv_end, BLOCK_N):  # the causal edge: masked
+                k, v = _block_tile(k_cache_ptr, v_cache_ptr, bt_row, n_start, block_size, kv_head, offs_t, offs_d,
+                                   d_mask, stride_k_block, stride_k_slot, stride_k_head,
+                                   stride_v_block, stride_v_slot, stride_v_head)
+                offs_n = n_start + offs_t
+                visible = (offs_n[None, :] <= q_pos[:, None]) & (offs_n < kv_end)[None, :]
+                m_i, l_i, acc = _attend(q, k, v, m_i, l_i, acc, visible, scale_log2, True, DOT_PRECISION, DOT_FP32)
+        else:
+            for n_start in range(0, kv_end, BLOCK_N):
+                offs_n = n_start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+                n_valid = offs_n < kv_end
+                # Beyond kv_end the table may hold -1 padding: the mask keeps those entries unread.
+                block = tl.load(bt_row + offs_n // block_size, mask=n_valid, other=0).to(tl.int64)
+                slot = (offs_n % block_size).to(tl.int64)
+                k_rows = block * stride_k_block + slot * stride_k_slot + kv_head * stride_k_head
+                v_rows = block * stride_v_block + slot * stride_v_slot + kv_head * stride_v_head
+                kv_mask = n_valid[:, None] & d_mask[None, :]
+                k = tl.load(k_cache_ptr + k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+                v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+                visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+                m_i, l_i, acc = _attend(q, k, v, m_i, l_i, acc, visible, scale_log2, True, DOT_PRECISION, DOT_FP32)
 
         # Padding rows saw no key (l_i == 0); keep them finite, they are not stored anyway.
         l_i = tl.where(l_i > 0.0, l_i, 1.0)
@@ -312,6 +351,7 @@ def paged_attention_varlen_triton(
     max_seqlen_q: int,
     max_context_len: int,
     scale: float,
+    tile_by_block: bool = True,  # False: the per-key path (always where block_size is not a power of 2 >= 16)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     block_size, num_kv_heads, group = _check_inputs(q, k_cache, v_cache)
     num_tokens, num_heads, head_dim = q.shape
@@ -324,9 +364,15 @@ def paged_attention_varlen_triton(
     block_d = _block_d(head_dim)
     # A tile holds whole GQA groups. Tile sizes and 8 warps were picked by compiling for sm_90
     # (bf16, ptxas -v) and keeping register use spill-free up to head_dim 128: the gathered K/V
-    # tiles carry one 64-bit pointer per element, which is what limits BLOCK_N.
+    # tiles carry one 64-bit pointer per element, which is what limits BLOCK_N. Tiled by block,
+    # a tile's rows are one stride apart and those pointers are gone: 64 keys up to head_dim 128,
+    # 32 at 256 (chosen by that register count, not yet measured on a GPU; the smoke test runs both).
     block_m = max(64, triton.next_power_of_2(group))
-    block_n = 64 if block_d <= 64 else (32 if block_d <= 128 else 16)
+    by_block = tile_by_block and block_size >= 16 and block_size & (block_size - 1) == 0
+    if by_block:
+        block_n = min(block_size, 64 if block_d <= 128 else 32)
+    else:
+        block_n = 64 if block_d <= 64 else (32 if block_d <= 128 else 16)
     tokens_per_tile = block_m // group
     grid = (triton.cdiv(max_seqlen_q, tokens_per_tile), num_kv_heads, num_seqs)
     _paged_attn_varlen_kernel[grid](
@@ -341,7 +387,7 @@ def paged_attention_varlen_triton(
         block_tables.stride(0),
         HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, TOKENS_PER_TILE=tokens_per_tile,
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(q), DOT_FP32=_dot_fp32(q),
-        num_warps=8,
+        TILE_BY_BLOCK=by_block, num_warps=8,
     )
     return out
 
