@@ -1,25 +1,46 @@
-"""A few minutes on a CUDA machine that say whether the GPU path works: `python -m nanoserve.smoke`.
+"""The first command on a CUDA machine: `python -m nanoserve.smoke` says whether every GPU path works.
 
-Every installed backend (torch, Triton, flash-attn) x CUDA graphs on/off x tensor parallelism 1/2
-(2 where two GPUs exist) generates from the same prompts as the torch backend run eagerly, greedy
-and bf16; a row reports how many sample streams agree (a divergence counts as agreeing only where
-the reference's top-2 logits nearly tie), or the error. Then a short throughput run on a random
-Qwen3-0.6B. On a machine without a GPU it says so and exits 0: the CPU path is the test suite's.
+Each row builds an engine and generates greedily (bf16, n=2, logprobs) from the prompts its model's
+reference (the torch backend, eager) answered; it reports how many sample streams agree (a
+divergence counts only where the reference's top-2 logits nearly tie), or the error. The rows
+cover what the README claims (`plan`):
+  * dense and MoE models: every backend (torch, triton, flash_attn) x CUDA graphs on/off x TP 1/2;
+  * head_dim 64, 80, 96, 128 and 256 on the Triton and flash-attn backends;
+  * the old paths of the CUDA speed work (NANOSERVE_TRITON_FUSED_OPS=0, _PREFILL=key, _MOE_TILES=fixed);
+  * a decode past 8k context (a multi-split decode) over a KV cache whose per-layer views pass 2^31
+    elements, with the sequences placed in its last blocks.
+Rows that cannot run here (one GPU, no usable flash-attn) are listed with the reason. Then a short
+throughput run on a random Qwen3-0.6B. Without a GPU it says so and exits 0 (`--plan` lists the rows).
 """
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import os
 import time
 import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.utils.tiny_checkpoint import QWEN3_0_6B, ensure_tiny_qwen3
+from nanoserve.utils.tiny_checkpoint import QWEN3_0_6B, ensure_tiny_checkpoint, ensure_tiny_qwen3
 
-SMOKE_MODEL = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-                   head_dim=32, intermediate_size=512, max_position_embeddings=2048)
+_DENSE = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+              intermediate_size=512, max_position_embeddings=2048)
+MODELS = {  # name -> (arch, config): random weights, built once into the cache
+    **{f"dense-d{d}": ("qwen3", {**_DENSE, "head_dim": d}) for d in (64, 80, 96, 128, 256)},
+    "moe-d128": ("qwen3_moe", {**_DENSE, "head_dim": 128, "num_experts": 16, "num_experts_per_tok": 4,
+                               "moe_intermediate_size": 128}),
+    # Its per-layer K (or V) view of BIG_CACHE_BLOCKS x 256 x 8 heads x 128 passes 2^31 elements (4.3 GB each).
+    "long-d128": ("qwen3", {**_DENSE, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 16384}),
+}
+BACKENDS = ("torch", "triton", "flash_attn")
+OLD_PATHS = ({"NANOSERVE_TRITON_FUSED_OPS": "0"}, {"NANOSERVE_TRITON_PREFILL": "key"},
+             {"NANOSERVE_TRITON_MOE_TILES": "fixed"})
+LONG_PROMPT = 8500
+LAST_BLOCKS = 64  # the long rows' sequences live in these, all past element 2^31 of a layer's view
+BIG_CACHE_BLOCKS = 2**31 // (256 * 8 * 128) + LAST_BLOCKS
 NEAR_TIE = 5e-2  # bf16 logits of two correct kernels differ by a few hundredths
 
 
@@ -45,11 +66,85 @@ def agreement(outputs, reference) -> tuple[int, int]:
     return ok, total
 
 
-def run_case(model: str, backend: str, eager: bool, tp: int, reqs, params, reference) -> str:
-    block = 256 if backend == "flash_attn" else 16
+@dataclass(frozen=True)
+class Case:
+    model: str
+    backend: str
+    graphs: bool
+    tp: int = 1
+    env: dict = field(default_factory=dict)  # old paths
+
+    def __str__(self) -> str:
+        env = " ".join(f"{k.removeprefix('NANOSERVE_TRITON_')}={v}" for k, v in self.env.items())
+        return f"{self.model:<10} {self.backend:<10} graphs {'on ' if self.graphs else 'off'} tp {self.tp} {env}".rstrip()
+
+
+def plan(num_gpus: int, flash_attn_reason: str | None) -> tuple[list[Case], list[tuple[Case, str]]]:
+    """The rows to run here, and the rows skipped with the reason."""
+    wanted = [Case(m, b, g, tp) for m in ("dense-d128", "moe-d128") for b in BACKENDS
+              for g in (False, True) for tp in (1, 2)]
+    wanted += [Case(f"dense-d{d}", b, True) for d in (64, 80, 96, 256) for b in ("triton", "flash_attn")]
+    wanted += [Case("moe-d128" if "MOE" in next(iter(env)) else "dense-d128", "triton", True, 1, env)
+               for env in OLD_PATHS]
+    wanted += [Case("long-d128", b, True, 1, env) for b, env in
+               (("triton", {}), ("flash_attn", {}), ("triton", OLD_PATHS[1]))]
+    run, skipped = [], []
+    for case in wanted:
+        if case.tp > num_gpus:
+            skipped.append((case, f"needs {case.tp} GPUs, {num_gpus} here"))
+        elif case.backend == "flash_attn" and flash_attn_reason:
+            skipped.append((case, flash_attn_reason))
+        elif case.backend == "torch" and case.graphs:
+            skipped.append((case, "the torch backend on CUDA runs eagerly: same as graphs off"))
+        else:
+            run.append(case)
+    return run, skipped
+
+
+@contextmanager
+def environment(env: dict):
+    """Switches read at engine start (TP workers inherit them)."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
-        with LLM(model, dtype="bfloat16", attention_backend=backend, enforce_eager=eager, tensor_parallel_size=tp,
-                 kvcache_block_size=block, max_model_len=1536, max_num_batched_tokens=512) as llm:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def workload(model: str, vocab: int) -> tuple[list[list[int]], dict]:
+    """Prompts and engine settings: prefix sharing, chunked prefill and a long prompt for the usual
+    models; a prompt past 8k tokens on a cache of BIG_CACHE_BLOCKS for long-d128."""
+    if model == "long-d128":
+        g = torch.Generator().manual_seed(1)
+        reqs = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (LONG_PROMPT, 50)]
+        return reqs, dict(max_model_len=16384, max_num_batched_tokens=2048, kvcache_block_size=256)
+    return prompts(vocab), dict(max_model_len=1536, max_num_batched_tokens=512)
+
+
+def use_the_last_blocks(llm: LLM, keep: int) -> None:
+    """Let the next allocations take the cache's last `keep` blocks (offsets past 2^31 elements)."""
+    queue = llm.engine.block_manager.pool.free_queue
+    for block_id in list(queue)[:-keep]:
+        queue.move_to_end(block_id)
+
+
+def run_case(case: Case, path: str, reqs, params, settings: dict, reference) -> str:
+    kw = {"max_num_seqs": 32, **settings}
+    if case.model == "long-d128":  # max_num_seqs x blocks per sequence must not cap the cache
+        kw.update(num_kvcache_blocks=BIG_CACHE_BLOCKS, max_num_seqs=256)
+    elif case.backend == "flash_attn":
+        kw.update(kvcache_block_size=256)
+    try:
+        with environment(case.env), LLM(path, dtype="bfloat16", attention_backend=case.backend,
+                                        enforce_eager=not case.graphs, tensor_parallel_size=case.tp, **kw) as llm:
+            if case.model == "long-d128":
+                assert llm.engine.model_runner.kv_cache[0, 0].numel() > 2**31, "the cache is not past 2^31 elements"
+                use_the_last_blocks(llm, LAST_BLOCKS)
             start = time.perf_counter()
             outs = llm.generate(reqs, params, use_tqdm=False)
             elapsed = time.perf_counter() - start
@@ -76,32 +171,40 @@ def throughput(num_requests: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=64, help="requests of the throughput run (0: skip it)")
+    parser.add_argument("--plan", action="store_true", help="list the rows for 2 GPUs with flash-attn, run nothing")
     args = parser.parse_args(argv)
+    if args.plan:
+        for case in plan(2, None)[0]:
+            print(case)
+        return 0
     if not torch.cuda.is_available():
         print("no CUDA GPU here: nothing to smoke-test (the CPU path is covered by the test suite)")
         return 0
+    from nanoserve.kernels.flash_attn import flash_attn_unusable_reason
+
     print(f"GPU: {torch.cuda.get_device_name()} x {torch.cuda.device_count()}, torch {torch.__version__}")
-    model = ensure_tiny_qwen3("smoke-qwen3", **SMOKE_MODEL)
-    reqs = prompts(900)
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, n=2, logprobs=2)
-    with LLM(model, dtype="bfloat16", attention_backend="torch", enforce_eager=True, max_model_len=1536) as ref_llm:
-        reference = ref_llm.generate(reqs, params, use_tqdm=False)
+    cases, skipped = plan(torch.cuda.device_count(), flash_attn_unusable_reason())
     rows = []
-    for backend in ("torch", "triton", "flash_attn"):
-        for tp in [1, 2] if torch.cuda.device_count() >= 2 else [1]:
-            for eager in (True, False):
-                if backend == "flash_attn" and importlib.util.find_spec("flash_attn") is None:
-                    status = "not installed (pip install nanoserve[cuda])"
-                else:
-                    status = run_case(model, backend, eager, tp, reqs, params, reference)
-                rows.append((backend, "off" if eager else "on", tp, status))
-                print(f"{backend:<11} graphs {rows[-1][1]:<3} tp {tp}  {status}", flush=True)
-    print("\n| backend | CUDA graphs | TP | result |\n|---|---|---|---|")
-    for backend, graphs, tp, status in rows:
-        print(f"| {backend} | {graphs} | {tp} | {status} |")
+    for model in dict.fromkeys(case.model for case in cases):
+        arch, config = MODELS[model]
+        path = ensure_tiny_checkpoint(f"smoke-{model}", arch, **config)
+        reqs, settings = workload(model, 900)
+        params = SamplingParams(temperature=0, max_tokens=24 if model != "long-d128" else 16, ignore_eos=True,
+                                n=2, logprobs=2)
+        ref_kw = {**settings, "num_kvcache_blocks": 200} if model == "long-d128" else settings
+        with LLM(path, dtype="bfloat16", attention_backend="torch", enforce_eager=True, **ref_kw) as ref_llm:
+            reference = ref_llm.generate(reqs, params, use_tqdm=False)
+        for case in (c for c in cases if c.model == model):
+            rows.append((case, run_case(case, path, reqs, params, settings, reference)))
+            print(f"{case}  {rows[-1][1]}", flush=True)
+    print("\n| row | result |\n|---|---|")
+    for case, status in rows:
+        print(f"| {case} | {status} |")
+    for case, reason in skipped:
+        print(f"| {case} | skipped: {reason} |")
     if args.requests:
         print(f"\nthroughput: {throughput(args.requests)}")
-    return 1 if any(s.startswith(("ERROR", "MISMATCH")) for *_, s in rows) else 0
+    return 1 if any(s.startswith(("ERROR", "MISMATCH")) for _, s in rows) else 0
 
 
 if __name__ == "__main__":

@@ -235,3 +235,30 @@ def test_smoke_script_says_there_is_no_gpu_and_succeeds():
 
     proc = subprocess.run([sys.executable, "-m", "nanoserve.smoke"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "no CUDA GPU" in proc.stdout
+
+
+def test_the_smoke_plan_covers_every_gpu_path_the_readme_claims():
+    """Issue 21, item 11: dense and MoE x backends x graphs x TP, five head_dims, the old paths of
+    the speed work, a decode past 8k over a cache past 2^31 elements; what cannot run is listed."""
+    from nanoserve import smoke
+
+    cases, skipped = smoke.plan(2, None)
+    for model in ("dense-d128", "moe-d128"):
+        combos = {(c.backend, c.graphs, c.tp) for c in cases if c.model == model and not c.env}
+        assert combos == {(b, g, tp) for b in smoke.BACKENDS for g in (False, True) for tp in (1, 2)
+                          if not (b == "torch" and g)}
+    assert skipped and all(c.backend == "torch" and c.graphs for c, _ in skipped)  # eager anyway: nothing lost
+    for head_dim in (64, 80, 96, 128, 256):
+        assert {"triton", "flash_attn"} <= {c.backend for c in cases if smoke.MODELS[c.model][1]["head_dim"] == head_dim}
+    assert {k for c in cases for k in c.env} == {k for env in smoke.OLD_PATHS for k in env}
+    assert any(c.model == "moe-d128" and "NANOSERVE_TRITON_MOE_TILES" in c.env for c in cases)
+    long = {c.backend for c in cases if c.model == "long-d128"}
+    assert long == {"triton", "flash_attn"} and smoke.LONG_PROMPT > 8192
+    config = smoke.MODELS["long-d128"][1]
+    first_block = smoke.BIG_CACHE_BLOCKS - smoke.LAST_BLOCKS  # the long rows' sequences start here
+    assert first_block * 256 * config["num_key_value_heads"] * config["head_dim"] >= 2**31
+
+    cases, skipped = smoke.plan(1, "flash-attn failed to import (ImportError: undefined symbol)")
+    assert all(c.tp == 1 and c.backend != "flash_attn" for c in cases)
+    reasons = {(c.backend, c.tp): r for c, r in skipped}
+    assert reasons[("flash_attn", 1)].startswith("flash-attn failed") and "needs 2 GPUs" in reasons[("triton", 2)]
