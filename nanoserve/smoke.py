@@ -18,8 +18,8 @@ import argparse
 import os
 import time
 import traceback
-from contextlib import contextmanager
 from dataclasses import dataclass, field
+from unittest import mock
 
 import torch
 
@@ -76,7 +76,8 @@ class Case:
 
     def __str__(self) -> str:
         env = " ".join(f"{k.removeprefix('NANOSERVE_TRITON_')}={v}" for k, v in self.env.items())
-        return f"{self.model:<10} {self.backend:<10} graphs {'on ' if self.graphs else 'off'} tp {self.tp} {env}".rstrip()
+        graphs = "on " if self.graphs else "off"
+        return f"{self.model:<10} {self.backend:<10} graphs {graphs} tp {self.tp} {env}".rstrip()
 
 
 def plan(num_gpus: int, flash_attn_reason: str | None) -> tuple[list[Case], list[tuple[Case, str]]]:
@@ -99,21 +100,6 @@ def plan(num_gpus: int, flash_attn_reason: str | None) -> tuple[list[Case], list
         else:
             run.append(case)
     return run, skipped
-
-
-@contextmanager
-def environment(env: dict):
-    """Switches read at engine start (TP workers inherit them)."""
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def workload(model: str, vocab: int) -> tuple[list[list[int]], dict]:
@@ -140,7 +126,8 @@ def run_case(case: Case, path: str, reqs, params, settings: dict, reference) -> 
     elif case.backend == "flash_attn":
         kw.update(kvcache_block_size=256)
     try:
-        with environment(case.env), LLM(path, dtype="bfloat16", attention_backend=case.backend,
+        # The switches are read at engine start; TP workers inherit them.
+        with mock.patch.dict(os.environ, case.env), LLM(path, dtype="bfloat16", attention_backend=case.backend,
                                         enforce_eager=not case.graphs, tensor_parallel_size=case.tp, **kw) as llm:
             if case.model == "long-d128":
                 assert llm.engine.model_runner.kv_cache[0, 0].numel() > 2**31, "the cache is not past 2^31 elements"

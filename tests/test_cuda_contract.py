@@ -249,7 +249,8 @@ def test_the_smoke_plan_covers_every_gpu_path_the_readme_claims():
                           if not (b == "torch" and g)}
     assert skipped and all(c.backend == "torch" and c.graphs for c, _ in skipped)  # eager anyway: nothing lost
     for head_dim in (64, 80, 96, 128, 256):
-        assert {"triton", "flash_attn"} <= {c.backend for c in cases if smoke.MODELS[c.model][1]["head_dim"] == head_dim}
+        backends = {c.backend for c in cases if smoke.MODELS[c.model][1]["head_dim"] == head_dim}
+        assert {"triton", "flash_attn"} <= backends
     assert {k for c in cases for k in c.env} == {k for env in smoke.OLD_PATHS for k in env}
     assert any(c.model == "moe-d128" and "NANOSERVE_TRITON_MOE_TILES" in c.env for c in cases)
     long = {c.backend for c in cases if c.model == "long-d128"}

@@ -85,7 +85,8 @@ class FakeEngine:
             (lambda: self.transient(self.graphs)) if use_graphs else None,
         )
         available = profile.kv_cache_budget(utilization) // BLOCK_BYTES
-        spec = KVCacheSpec(1024 // BLOCKS_PER_SEQ, 1024).sized(available, 1024, BLOCK_BYTES, profile.describe(utilization))
+        spec = KVCacheSpec(1024 // BLOCKS_PER_SEQ, 1024)
+        spec = spec.sized(available, 1024, BLOCK_BYTES, profile.describe(utilization))
         blocks = spec.num_blocks  # 1024 sequences: never capped here
         self.kv_bytes = blocks * BLOCK_BYTES
         self.device.alloc(self.kv_bytes)

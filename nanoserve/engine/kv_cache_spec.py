@@ -1,12 +1,6 @@
-"""The KV cache's geometry, decided once at startup by the ModelRunner and handed to everyone who
-addresses the cache: the block manager and scheduler (block ids), CUDA graphs (block-table width),
-the warm-up (its scratch cache) and the engine.
-
-  block_size      the config's kvcache_block_size, or the backend's preferred one (flash-attn: 256)
-  blocks_per_seq  blocks one max_model_len sequence needs: the widest block table
-  num_blocks      what the config or the memory budget allows, capped at what max_num_seqs
-                  full-length sequences could use, and never fewer than blocks_per_seq (`sized`)
-"""
+"""The KV cache's geometry, decided once by the ModelRunner (block size: the config's or the
+backend's preferred one; block count: the config's or the memory budget's, `sized`) and handed to
+the engine, block manager, scheduler, CUDA graphs (block-table width) and warm-up (scratch cache)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -21,7 +15,7 @@ class KVCacheSpec:
     num_blocks: int = 0  # 0 until sized
 
     @property
-    def blocks_per_seq(self) -> int:
+    def blocks_per_seq(self) -> int:  # the widest block table
         return -(-self.max_model_len // self.block_size)
 
     def sized(self, available: int, max_num_seqs: int, block_bytes: int, budget: str | None = None) -> "KVCacheSpec":

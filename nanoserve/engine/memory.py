@@ -121,4 +121,3 @@ def _non_torch(mem: DeviceMemory) -> int:
     """Device memory in use that torch's allocator does not hold (other processes' included)."""
     free, total = mem.mem_get_info()
     return total - free - mem.memory_reserved()
-

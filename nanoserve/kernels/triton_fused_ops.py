@@ -32,7 +32,8 @@ if triton is not None:
         xf = x.to(tl.float32)
         y = (xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)).to(out_ptr.dtype.element_ty)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-        tl.store(out_ptr + row * N + offs, (w.to(tl.float32) * y.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
+        out = (w.to(tl.float32) * y.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * N + offs, out, mask=mask)
 
     @triton.jit
     def _qk_norm_rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, qw_ptr, kw_ptr, pos_ptr, cos_sin_ptr,
