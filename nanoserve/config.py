@@ -47,6 +47,9 @@ class Config:
     attention_backend: str | type = "auto"  # a name (nanoserve.backends) or a Backend subclass
     seed: int = 0
     max_logprobs: int = 20  # vLLM's cap on SamplingParams.logprobs (the warm-up sizes memory for it)
+    # Structured outputs: append the tokens a grammar forces (key names, `":`, closing braces)
+    # without sampling them (nanoserve/structured/matcher.py). False: every token is sampled, as in vLLM.
+    structured_outputs_jump_forward: bool = True
     # Read from the checkpoint in __post_init__; not meant to be passed by users.
     hf_config: dict = field(default_factory=dict, repr=False)
 
@@ -121,7 +124,7 @@ class Config:
                 continue  # a Backend subclass, checked when it is built (nanoserve.backends.select_backend)
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "structured_outputs_jump_forward"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

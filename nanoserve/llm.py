@@ -17,11 +17,11 @@ from nanoserve.inputs import PromptType, as_prompt_list
 from nanoserve.outputs import RequestOutput
 from nanoserve.progress import ProgressBar
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.structured.openai import with_guided_options
 
 # Arguments older vLLM versions' generate() took; accepted when they ask for nothing.
 _LEGACY_GENERATE_ARGS = {
     "prompt_adapter_request": "nanoserve has no prompt adapters",
-    "guided_options_request": "nanoserve has no guided decoding",
 }
 _MISSING = object()
 
@@ -78,10 +78,15 @@ class LLM:
         `TextPrompt` / `TokensPrompt` dicts. `sampling_params`: one for all prompts or one per
         prompt; None = `get_default_sampling_params()`. `use_tqdm` may be a tqdm-like factory.
         `lora_request` must be None and `priority` None or all 0 (no LoRA, first-come-first-served).
+        `guided_options_request` (older vLLM): a dict of guided_json / guided_regex / ... applied
+        to every prompt's SamplingParams, as `GuidedDecodingParams`.
         """
+        guided = legacy.pop("guided_options_request", None)
         self._check_generate_options(lora_request, legacy)
         prompts = as_prompt_list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
+        if guided is not None:
+            params = with_guided_options(params, guided)
         _check_priority(priority, len(prompts))
         _check_lora_list(lora_request, len(prompts))
         prepare = self.engine.input_processor.prepare

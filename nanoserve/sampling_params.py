@@ -5,6 +5,8 @@ import copy
 import math
 from dataclasses import dataclass, fields
 
+from nanoserve.structured.params import GuidedDecodingParams, StructuredOutputsParams, coerce
+
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
@@ -44,6 +46,10 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True  # False skips text (and stop strings) entirely, e.g. in benchmarks
+    # Structured outputs (nanoserve/structured): a JSON schema, regex, choice or grammar the output
+    # must match; a dict is accepted in place of the class. guided_decoding: vLLM's older name.
+    structured_outputs: StructuredOutputsParams | dict | None = None
+    guided_decoding: GuidedDecodingParams | dict | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -58,6 +64,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        self._check_structured_outputs()
 
     @property
     def greedy(self) -> bool:
@@ -134,6 +141,15 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if any(t < 0 for t in self.stop_token_ids or []):
             raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
+
+    def _check_structured_outputs(self) -> None:
+        """Dicts become the classes; the constraint is checked (compiling waits for the tokenizer,
+        when the request is added)."""
+        self.structured_outputs = coerce(self.structured_outputs, StructuredOutputsParams, "structured_outputs")
+        self.guided_decoding = coerce(self.guided_decoding, GuidedDecodingParams, "guided_decoding")
+        if self.structured_outputs is not None and self.guided_decoding is not None:
+            raise ValueError("structured_outputs and guided_decoding were both given; pass one (they are the "
+                             "same constraint under vLLM's new and old names)")
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -14,6 +14,7 @@ from nanoserve.config import Config
 from nanoserve.inputs import parse_prompt
 from nanoserve.sampling import SamplingSpec
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.structured.manager import StructuredOutputManager
 
 # tokenization_kwargs keys nanoserve honours (they go to tokenizer.encode).
 TOKENIZATION_KEYS = ("add_special_tokens",)
@@ -55,8 +56,10 @@ def encode_kwargs(tokenization_kwargs: dict[str, Any] | None) -> dict[str, Any]:
 
 
 class InputProcessor:
-    def __init__(self, config: Config, tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
+    def __init__(self, config: Config, tokenizer, vocab_size: int, eos_token_ids: list[int],
+                 structured: StructuredOutputManager) -> None:
         self.config = config
+        self.structured = structured  # compiles (and caches) a request's grammar: its errors are ValueErrors
         self.tokenizer = tokenizer  # replaced by LLM.set_tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
@@ -112,4 +115,5 @@ class InputProcessor:
                 f"seed must be in [0, {2**63 - params.n + 1}) for n={params.n} (sample i uses seed + i, "
                 f"which must stay below 2**63), got {params.seed}"
             )
+        self.structured.check(params)
         return SamplingSpec.from_params(params, vocab, self.eos_token_ids)

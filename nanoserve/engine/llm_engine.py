@@ -20,6 +20,7 @@ from nanoserve.engine.sequence import Sequence
 from nanoserve.inputs import PromptType
 from nanoserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.structured.manager import StructuredOutputManager
 
 
 @dataclass
@@ -62,7 +63,10 @@ class LLMEngine:
         self.generation_config = read_generation_config(config.model)
         self.eos_token_ids = eos_token_ids(tokenizer, self.generation_config)
         self.vocab_size = config.hf_config["vocab_size"]
-        self.input_processor = InputProcessor(config, tokenizer, self.vocab_size, self.eos_token_ids)
+        self.structured = StructuredOutputManager(
+            lambda: self.tokenizer, self.vocab_size, self.eos_token_ids, config.structured_outputs_jump_forward
+        )
+        self.input_processor = InputProcessor(config, tokenizer, self.vocab_size, self.eos_token_ids, self.structured)
         self.device = resolve_device(config.device)
         self.model_runner = self._make_runner()
         self.kv_spec = self.model_runner.kv_spec  # block size and count, decided once (kv_cache_spec.py)
@@ -118,6 +122,7 @@ class LLMEngine:
             self._next_seq_id += 1
         seqs[0].children = seqs[1:]
         detokenizers = [self._detokenizer(prompt_token_ids, params) for _ in seqs]
+        self.structured.attach(seqs, detokenizers, params)  # a matcher per sample, + forced start tokens
         self.requests[request_id] = Request(
             request_id, prompt, list(prompt_token_ids), params, seqs, detokenizers, RequestMetrics(time.perf_counter())
         )
@@ -170,7 +175,9 @@ class LLMEngine:
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             self._record_logprobs(seq, out, i)
-            if self._check_stop(seq, request):
+            if seq.matcher is not None:
+                seq.matcher.accept(seq.token_ids[-1])
+            if self._check_stop(seq, request) or self._after_constrained_token(seq, request):
                 self.scheduler.finish(seq)
                 request.num_finished += 1
                 if request.finished:
@@ -211,6 +218,23 @@ class LLMEngine:
                 return True
         if seq.num_tokens >= seq.max_total_tokens:
             seq.finish_reason = "length"
+            return True
+        return False
+
+    def _after_constrained_token(self, seq: Sequence, request: Request) -> bool:
+        """Structured outputs, after the sampled token passed the stop checks: a complete grammar
+        ends the sample ("stop"); otherwise the tokens the grammar forces are appended (jump-forward;
+        they enter the model with the next step as a multi-token chunk), each checked like a
+        sampled token. True when the sequence finished."""
+        if seq.matcher is None:
+            return False
+        if not seq.matcher.is_finished:
+            for token in seq.matcher.forced_tokens(seq.max_total_tokens - seq.num_tokens):
+                seq.append_token(token)
+                if self._check_stop(seq, request):
+                    return True
+        if seq.matcher.is_finished:
+            seq.finish_reason = "stop"
             return True
         return False
 

@@ -253,4 +253,4 @@ def run_model(model: torch.nn.Module, backend, input_ids: torch.Tensor, position
 def sampling_row(seq: Sequence) -> SamplingRow:
     """The sampler's view of a sequence: its spec and its own token list (not a copy)."""
     assert seq.sampling_spec is not None, f"sequence {seq.seq_id} has no SamplingSpec: the engine sets it"
-    return SamplingRow(seq.sampling_spec, seq.seed, seq.token_ids, seq.num_prompt_tokens)
+    return SamplingRow(seq.sampling_spec, seq.seed, seq.token_ids, seq.num_prompt_tokens, seq.matcher)

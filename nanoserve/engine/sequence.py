@@ -57,6 +57,8 @@ class Sequence:
         # The request's other n-1 samples; they start on this sequence's prompt blocks once its
         # prompt is computed (see Scheduler._fork_children).
         self.children: list[Sequence] = []
+        # Structured outputs: the grammar matcher (nanoserve/structured/matcher.py), set by the engine.
+        self.matcher = None
 
     def __repr__(self) -> str:
         return (

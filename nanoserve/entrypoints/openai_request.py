@@ -18,6 +18,7 @@ from nanoserve.llm import LLM
 from nanoserve.chat import render_conversations
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.engine.input_processor import EngineRequest
+from nanoserve.structured.openai import structured_outputs_from_body
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -34,11 +35,6 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "prompt_logprobs": lambda v: False,
     "tools": lambda v: not v,
     "tool_choice": lambda v: v in ("none", "auto"),
-    "response_format": lambda v: isinstance(v, dict) and v.get("type") == "text",
-    "guided_json": lambda v: False,
-    "guided_regex": lambda v: False,
-    "guided_choice": lambda v: False,
-    "guided_grammar": lambda v: False,
     "structural_tag": lambda v: False,
     "allowed_token_ids": lambda v: False,
     "bad_words": lambda v: not v,
@@ -143,6 +139,8 @@ class RequestBuilder:
             kwargs[name] = body[name] if body.get(name) is not None else getattr(self.defaults, name)
         kwargs["logprobs"] = self._logprobs(body, chat)
         kwargs["max_tokens"] = self._max_tokens(body, chat, num_prompt_tokens)
+        # response_format / structured_outputs / guided_* (nanoserve/structured/openai.py)
+        kwargs["structured_outputs"] = structured_outputs_from_body(body)
         return SamplingParams(**kwargs)
 
     @staticmethod

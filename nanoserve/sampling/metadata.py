@@ -7,11 +7,14 @@ SamplingSpec was made, prompts by the engine, and generated tokens come from the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from nanoserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from nanoserve.structured.matcher import SequenceMatcher
 
 # How many top logits the filters look at when a row has no smaller top_k. Real nuclei are almost
 # always far smaller; rows that need more fall back to a full sort / a draw over the whole
@@ -78,6 +81,7 @@ class SamplingRow(NamedTuple):
     seed: int  # in [0, 2**63): the user's seed or one the engine drew for the request
     token_ids: list[int]  # the sequence's own list (prompt + output): referenced, never copied
     num_prompt_tokens: int
+    matcher: SequenceMatcher | None = None  # structured outputs: the row's grammar state
 
 
 @dataclass
@@ -113,6 +117,9 @@ class SamplingMetadata:
     # --- suppression and logprobs ---
     suppressed: torch.Tensor | None  # [2, N] int64 (row, token) pairs to set to -inf
     max_num_logprobs: int | None  # K; None when no row asked for logprobs
+    # --- structured outputs: [B, V] bool, True where a row's grammar forbids the token; None if no
+    # row is constrained (built on the CPU from the constrained rows only, nanoserve/structured/bitmask.py)
+    grammar_forbidden: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
     def build(
@@ -191,7 +198,16 @@ class SamplingMetadata:
             output_counts=output_counts,
             suppressed=tensor(pairs, torch.int64).T.contiguous() if pairs else None,  # [2, N]
             max_num_logprobs=max(asked) if asked else None,
+            grammar_forbidden=_grammar_forbidden(rows, V, device),
         )
+
+
+def _grammar_forbidden(rows: list[SamplingRow], vocab_size: int, device: torch.device) -> torch.Tensor | None:
+    if all(r.matcher is None for r in rows):
+        return None  # free text only: llguidance is never imported
+    from nanoserve.structured.bitmask import forbidden_mask
+
+    return forbidden_mask([r.matcher for r in rows], vocab_size, device)
 
 
 def _token_tables(

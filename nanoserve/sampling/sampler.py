@@ -6,6 +6,7 @@ loop over rows or over the vocabulary.
 
 Order of operations (vLLM's):
   1. logprobs (if any row asked) from the RAW logits: log_softmax before anything below.
+  1b. structured outputs: tokens a row's grammar forbids -> -inf (constrained rows only).
   2. suppressed tokens (EOS / stop ids while min_tokens is not reached) -> -inf.
   3. penalties: repetition (over prompt + output), frequency and presence (over the output).
   4. greedy rows (temperature 0, or top_k 1, which keeps the same single token) take the argmax.
@@ -44,7 +45,7 @@ class Sampler(torch.nn.Module):
             raise ValueError(
                 f"logits must be [{meta.num_rows}, {meta.vocab_size}], got {list(logits.shape)}"
             )
-        no_processing = (meta.suppressed is None and meta.repetition_penalty is None
+        no_processing = (meta.suppressed is None and meta.grammar_forbidden is None and meta.repetition_penalty is None
                          and meta.frequency_penalty is None and meta.presence_penalty is None)
         if meta.all_greedy and no_processing and meta.max_num_logprobs is None:
             # The common path: float32 conversion is exact and monotone, so skip it for argmax.
@@ -52,8 +53,10 @@ class Sampler(torch.nn.Module):
         raw = logits.float()  # [B, V]; may be the caller's tensor, so never written in place
 
         logits = raw
+        if meta.grammar_forbidden is not None:
+            logits = logits.masked_fill(meta.grammar_forbidden, float("-inf"))
         if meta.suppressed is not None:
-            logits = logits.index_put((meta.suppressed[0], meta.suppressed[1]), raw.new_tensor(float("-inf")))
+            logits = logits.index_put((meta.suppressed[0], meta.suppressed[1]), logits.new_tensor(float("-inf")))
         logits = apply_penalties(logits, meta)
         token_ids = self._sample(logits, meta)
 
