@@ -339,6 +339,18 @@ def test_unpack_forbidden_matches_bit_by_bit():
         assert unpack_forbidden(bitmask, vocab).astype(bool).tolist() == want
 
 
+def test_threaded_and_serial_masks_agree(llm):
+    from nanoserve.structured.bitmask import fill_bitmask
+
+    manager = llm.engine.structured
+    matchers = [manager.new_matcher(constrained(json=s, disable_any_whitespace=True)) for s in SCHEMAS[:6]]
+    for m in matchers[::2]:
+        m.forced_tokens(3)
+    vocab = llm.engine.vocab_size
+    serial, threaded = fill_bitmask(matchers, vocab, parallel=False), fill_bitmask(matchers, vocab, parallel=True)
+    assert (serial == threaded).all() and (serial != -1).any()
+
+
 def test_sampler_masks_constrained_rows_before_penalties(llm):
     """Two constrained rows (greedy with a repetition penalty, sampled with top_k) and a free
     one in one batch: the constrained rows draw only what their grammar allows, the free row
@@ -436,3 +448,23 @@ def test_ray_rows_carry_their_own_constraint(tiny_model):
     jsonschema.validate(json.loads(texts[2]), SCHEMAS[5])
     assert out["finish_reason"][:3] == ["stop"] * 3
     predictor.llm.close()
+
+
+# ---- the benchmark workload -----------------------------------------------------------------------
+
+
+def test_bench_json_workload_reports_consistent_figures(tiny_model):
+    from nanoserve.bench.cli import main
+
+    report = main(["--model", tiny_model, "--workload", "json", "--num-seqs", "2", "--input-len", "5", "9",
+                   "--output-len", "24", "24", "--dtype", "float32", "--no-roofline", "--no-warmup"])
+    phases = report["json"]
+    assert set(phases) == {"concurrency_2"}
+    for phase in phases.values():
+        on, off = phase["jump_forward_on"], phase["jump_forward_off"]
+        assert on["forced_fraction"] > 0 and off["forced_fraction"] == 0
+        assert on["num_steps"] < off["num_steps"]  # forced tokens ride along with sampled ones
+        for run in (on, off):
+            assert 0 < run["output_tokens"] <= 24 * 2 and run["mask_us_per_token"] > 0
+            twin = run["unconstrained_twin"]
+            assert run["speed_vs_unconstrained"] == pytest.approx(run["output_tok_s"] / twin["output_tok_s"])

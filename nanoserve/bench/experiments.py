@@ -2,7 +2,8 @@
 
 random / long-prompt: nanoserve's throughput, optionally against peers (HF, vLLM) on the same
 requests, repeats alternating back to back; long-prompt also probes a one-block prefix-cache hit.
-shared-prefix: prefix caching on vs off. mixed: chunked prefill on vs off.
+shared-prefix: prefix caching on vs off. mixed: chunked prefill on vs off. json: structured
+outputs against their unconstrained twins (bench/structured.py).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from nanoserve.bench.profiler import profile_steps
 from nanoserve.bench.report import compare, fmt_ms, print_roofline, print_run
 from nanoserve.bench.results import RunResult, summarize
 from nanoserve.bench.roofline import Roofline, measure_roofline
+from nanoserve.bench.structured import bench_json
 from nanoserve.bench.workloads import Request, one_block_hit_pair
 
 
@@ -174,4 +176,4 @@ def bench_mixed(args: argparse.Namespace, requests: list[Request], report: dict)
 
 
 WORKLOADS = {"random": bench_throughput, "long-prompt": bench_throughput, "shared-prefix": bench_shared_prefix,
-             "mixed": bench_mixed}
+             "mixed": bench_mixed, "json": lambda args, requests, report: bench_json(args, requests, report, make_llm)}

@@ -20,6 +20,9 @@ PRESETS: dict[str, dict] = {
                   long_every=24, max_num_batched_tokens=256),
     # A few long prompts and short outputs: prefill-bound. Also probes a one-block prefix-cache hit.
     "long-prompt": dict(num_seqs=3, input_len=(4000, 4000), output_len=(16, 16)),
+    # Structured outputs (bench/structured.py): JSON-schema constrained vs its unconstrained twin;
+    # output_len is each request's max_tokens (the grammar usually ends it sooner).
+    "json": dict(num_seqs=16, input_len=(32, 64), output_len=(160, 160)),
 }
 
 # Workloads whose requests all arrive at once: a peer engine (HF, vLLM) can run them as one batch.
@@ -74,7 +77,7 @@ def make_requests(spec: WorkloadSpec, vocab: int) -> list[Request]:
     def length(bounds: tuple[int, int]) -> int:
         return rng.randint(*bounds)
 
-    if spec.name in ("random", "long-prompt"):
+    if spec.name in ("random", "long-prompt", "json"):
         return [Request(random_tokens(rng, length(spec.input_len), vocab), length(spec.output_len))
                 for _ in range(spec.num_seqs)]
     if spec.name == "shared-prefix":
