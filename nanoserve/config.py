@@ -124,7 +124,8 @@ class Config:
                 continue  # a Backend subclass, checked when it is built (nanoserve.backends.select_backend)
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "structured_outputs_jump_forward"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager",
+                     "structured_outputs_jump_forward"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

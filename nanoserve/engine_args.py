@@ -59,6 +59,13 @@ NO_EFFECT: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "disable_custom_all_reduce": (
         _is_bool, "a bool", "tensor parallelism always uses torch.distributed's all-reduce"
     ),
+    "guided_decoding_backend": (
+        lambda v: isinstance(v, str), "a str", "structured outputs always run on llguidance"
+    ),
+    "structured_outputs_config": (
+        lambda v: v is None or isinstance(v, dict), "a dict or None",
+        "structured outputs always run on llguidance; whitespace options are set per request",
+    ),
 }
 
 # ---- 3. refused unless off -------------------------------------------------------------------

@@ -233,6 +233,53 @@ def test_guided_decoding_dict_and_guided_options_request_match(llm):
     assert GuidedDecodingParams.from_optional() is None
 
 
+def test_vllm_example_runs_with_only_the_import_changed(llm):
+    """vLLM's offline structured-outputs example (docs), with `vllm` replaced by `nanoserve`."""
+    from enum import Enum
+
+    from pydantic import BaseModel
+
+    from nanoserve.engine_args import resolve_engine_args
+    from nanoserve.sampling_params import GuidedDecodingParams as G
+    from nanoserve.sampling_params import StructuredOutputsParams as S
+
+    class CarType(str, Enum):
+        sedan = "sedan"
+        suv = "SUV"
+
+    class CarDescription(BaseModel):
+        brand: str
+        model: str
+        car_type: CarType
+
+    simplified_sql_grammar = """
+        root ::= select_statement
+        select_statement ::= "SELECT " column " from " table " where " condition
+        column ::= "col_1 " | "col_2 "
+        table ::= "table_1 " | "table_2 "
+        condition ::= column "= " number
+        number ::= "1 " | "2 "
+    """
+    params = [
+        SamplingParams(structured_outputs=S(choice=["Positive", "Negative"])),
+        SamplingParams(structured_outputs=S(regex=r"\w+@\w+\.com\n"), stop=["\n"]),
+        SamplingParams(structured_outputs=S(json=CarDescription.model_json_schema()), max_tokens=200),
+        SamplingParams(structured_outputs=S(grammar=simplified_sql_grammar), max_tokens=50),
+        SamplingParams(guided_decoding=G(choice=["Positive", "Negative"])),
+    ]
+    outs = llm.generate(["Classify this sentiment: vLLM is wonderful!"] * len(params), params, use_tqdm=False)
+    texts = [o.outputs[0].text for o in outs]
+    assert texts[0] in ("Positive", "Negative") and texts[4] in ("Positive", "Negative")
+    if outs[1].outputs[0].finish_reason == "stop":
+        assert re.fullmatch(r"\w+@\w+\.com", texts[1])  # the stop string "\n" is cut
+    if outs[2].outputs[0].finish_reason == "stop":
+        CarDescription.model_validate_json(texts[2])
+    assert re.fullmatch(r"SELECT col_[12]  from table_[12]  where col_[12] = [12] ", texts[3])
+    # LLM(..., guided_decoding_backend=...) / structured_outputs_config: accepted, no effect.
+    assert resolve_engine_args({"guided_decoding_backend": "xgrammar",
+                                "structured_outputs_config": {"backend": "guidance"}})[0] == {}
+
+
 # ---- every sampling option ----------------------------------------------------------------------
 
 
