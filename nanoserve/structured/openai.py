@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from nanoserve.sampling_params import SamplingParams
 from nanoserve.structured.params import (
     GuidedDecodingParams,
     StructuredOutputsParams,
@@ -76,7 +75,7 @@ def _from_response_format(fmt: Any) -> StructuredOutputsParams | None:
     )
 
 
-def with_guided_options(params: list[SamplingParams], options: Any) -> list[SamplingParams]:
+def with_guided_options(params: list["SamplingParams"], options: Any) -> list["SamplingParams"]:
     """vLLM's `LLM.generate(guided_options_request=...)`: the same constraint on every prompt.
     The caller's SamplingParams are not changed (one object may serve several prompts)."""
     guided = from_guided_options(options)
