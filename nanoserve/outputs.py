@@ -83,10 +83,15 @@ class RequestOutput:
     num_cached_tokens: int = 0
     finished: bool = True
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    # vLLM's: per prompt token, None for the first, else {token id: Logprob} (SamplingParams.prompt_logprobs).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     def __repr__(self) -> str:
+        prompt_logprobs = (
+            "" if self.prompt_logprobs is None else f"prompt_logprobs=<{len(self.prompt_logprobs)} positions>, "
+        )
         return (
             f"RequestOutput(request_id={self.request_id!r}, prompt={short_text(self.prompt)}, "
-            f"prompt_token_ids={short_list(self.prompt_token_ids)}, outputs={self.outputs!r}, "
+            f"prompt_token_ids={short_list(self.prompt_token_ids)}, {prompt_logprobs}outputs={self.outputs!r}, "
             f"num_cached_tokens={self.num_cached_tokens}, finished={self.finished})"
         )

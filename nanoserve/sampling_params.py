@@ -44,6 +44,11 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    # Scores of the prompt's own tokens (vLLM's field): the prompt token's logprob and rank plus the top k.
+    prompt_logprobs: int | None = None
+    # nanoserve's: score only prompt tokens from this index on (a continuation after a shared
+    # context); the positions before it may then come from the prefix cache. None = every token.
+    prompt_logprobs_start: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True  # False skips text (and stop strings) entirely, e.g. in benchmarks
     # Structured outputs (nanoserve/structured): a JSON schema, regex, choice or grammar the output
@@ -90,7 +95,7 @@ class SamplingParams:
             if not _is_number(getattr(self, name)):
                 raise TypeError(f"{name} must be a number, got {getattr(self, name)!r}")
             setattr(self, name, float(getattr(self, name)))
-        for name in ("max_tokens", "seed", "logprobs"):
+        for name in ("max_tokens", "seed", "logprobs", "prompt_logprobs", "prompt_logprobs_start"):
             value = getattr(self, name)
             if value is not None and not _is_int(value):
                 raise TypeError(f"{name} must be an int or None, got {value!r}")
@@ -135,6 +140,12 @@ class SamplingParams:
             raise ValueError(f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
         if self.logprobs is not None and self.logprobs < 0:
             raise bad("logprobs", ">= 0 or None")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise bad("prompt_logprobs", ">= 0 or None")
+        if self.prompt_logprobs_start is not None and self.prompt_logprobs_start < 0:
+            raise bad("prompt_logprobs_start", ">= 0 or None")
+        if self.prompt_logprobs_start is not None and self.prompt_logprobs is None:
+            raise ValueError("prompt_logprobs_start needs prompt_logprobs (the number of top logprobs per position)")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise bad("seed", "in [0, 2**63) or None")
         if any(s == "" for s in ([self.stop] if isinstance(self.stop, str) else self.stop or [])):

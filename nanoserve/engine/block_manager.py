@@ -18,6 +18,7 @@ from typing import NamedTuple
 import xxhash
 
 from nanoserve.engine.block_pool import BlockPool
+from nanoserve.engine.prompt_logprobs import max_cached_tokens
 from nanoserve.engine.sequence import Sequence
 
 
@@ -80,7 +81,9 @@ class BlockManager:
         Capped so at least one token is left to compute: the step that computes it samples.
         """
         hits: list[int] = []
-        max_blocks = (seq.num_tokens - 1) // self.block_size if self.enable_prefix_caching else 0
+        # Nor any position whose logits the request needs for its prompt logprobs (prompt_logprobs.py).
+        max_tokens = min(seq.num_tokens - 1, max_cached_tokens(seq))
+        max_blocks = max_tokens // self.block_size if self.enable_prefix_caching else 0
         parent_uid = None
         for i, block_hash in enumerate(self._hashes(seq, max_blocks)):
             block_id = self.pool.lookup(block_hash, parent_uid, self._block_tokens(seq, i))

@@ -108,6 +108,11 @@ class InputProcessor:
                 f"logprobs={params.logprobs} exceeds max_logprobs={cfg.max_logprobs}; "
                 "raise LLM(max_logprobs=...) to ask for more"
             )
+        if params.prompt_logprobs is not None and params.prompt_logprobs > cfg.max_logprobs:
+            raise ValueError(
+                f"prompt_logprobs={params.prompt_logprobs} exceeds max_logprobs={cfg.max_logprobs}; "
+                "raise LLM(max_logprobs=...) to ask for more"
+            )
         if params.n > cfg.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={cfg.max_num_seqs}")
         if params.seed is not None and params.seed + params.n - 1 >= 2**63:

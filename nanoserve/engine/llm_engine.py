@@ -14,6 +14,7 @@ from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.detokenizer import IncrementalDetokenizer
 from nanoserve.engine.input_processor import EngineRequest, InputProcessor
 from nanoserve.engine.model_runner import ModelRunner, StepOutput, resolve_device
+from nanoserve.engine.prompt_logprobs import PromptLogprobs, PromptLogprobsRecord
 from nanoserve.engine.runner import Runner
 from nanoserve.engine.scheduler import ScheduledBatch, Scheduler
 from nanoserve.engine.sequence import Sequence
@@ -33,6 +34,7 @@ class Request:
     detokenizers: list[IncrementalDetokenizer | None]
     metrics: RequestMetrics
     num_finished: int = 0
+    prompt_logprobs: PromptLogprobsRecord | None = None  # filled step by step when params.prompt_logprobs is set
 
     @property
     def finished(self) -> bool:
@@ -124,7 +126,8 @@ class LLMEngine:
         detokenizers = [self._detokenizer(prompt_token_ids, params) for _ in seqs]
         self.structured.attach(seqs, detokenizers, params)  # a matcher per sample, + forced start tokens
         self.requests[request_id] = Request(
-            request_id, prompt, list(prompt_token_ids), params, seqs, detokenizers, RequestMetrics(time.perf_counter())
+            request_id, prompt, list(prompt_token_ids), params, seqs, detokenizers, RequestMetrics(time.perf_counter()),
+            prompt_logprobs=PromptLogprobsRecord.for_request(prompt_token_ids, params),
         )
         self.scheduler.add(seqs[0])
         return request_id
@@ -167,6 +170,8 @@ class LLMEngine:
             # would read garbage: the abort forgets those blocks and drops every request in flight.
             self.abort_all()
             raise
+        for chunk in out.prompt_logprobs:
+            self.requests[batch.seqs[chunk.batch_index].request_id].prompt_logprobs.record(chunk)
         got_token = self.scheduler.postprocess(batch, out.token_ids)
         now = time.perf_counter()
         stats = StepStats(*self._count_tokens(batch), entries=entries)
@@ -262,7 +267,15 @@ class LLMEngine:
             num_cached_tokens=request.seqs[0].num_cached_tokens or 0,
             finished=True,
             metrics=request.metrics,
+            prompt_logprobs=self._prompt_logprobs(request),
         )
+
+    def _prompt_logprobs(self, request: Request) -> PromptLogprobs | None:
+        if request.prompt_logprobs is None:
+            return None
+        # vLLM's decoded_token: the single token detokenized (None when detokenize=False).
+        decode = (lambda t: self.tokenizer.decode([t])) if request.params.detokenize else None
+        return request.prompt_logprobs.output(decode)
 
     # ---- cache management ------------------------------------------------------------------
 

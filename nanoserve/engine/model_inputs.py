@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoserve.backends.metadata import AttentionMetadata
+from nanoserve.engine.prompt_logprobs import scored_positions
 from nanoserve.engine.scheduler import ScheduledBatch
 from nanoserve.engine.sequence import Sequence
 
@@ -24,7 +25,9 @@ class ModelInputs:
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [num_sampling_rows] rows of the hidden states to project
+    # Rows of the hidden states to project: [num_sampling_rows + num_prompt_logprob_rows], the
+    # sampling rows first, then the rows scoring prompt tokens (prompt_logprobs.scored_positions).
+    logits_indices: torch.Tensor
 
 
 def build_model_inputs(batch: ScheduledBatch, block_size: int, pin_memory: bool = False) -> ModelInputs:
@@ -67,9 +70,19 @@ def build_model_inputs(batch: ScheduledBatch, block_size: int, pin_memory: bool 
         input_ids=torch.tensor(input_ids, dtype=torch.int64),
         positions=positions,
         meta=meta,
-        logits_indices=(cu_seqlens_q[1:] - 1)[sampling],
+        logits_indices=torch.cat([(cu_seqlens_q[1:] - 1)[sampling], _prompt_logprob_rows(seqs, num_new, starts)]),
     )
     return _map_tensors(inputs, torch.Tensor.pin_memory) if pin_memory else inputs
+
+
+def _prompt_logprob_rows(seqs: list[Sequence], num_new: list[int], starts: list[int]) -> torch.Tensor:
+    """Rows of this step's tokens whose logits score prompt tokens, in batch order."""
+    rows: list[int] = []
+    offset = 0
+    for seq, n, start in zip(seqs, num_new, starts):
+        rows.extend(offset + p - start for p in scored_positions(seq, n))
+        offset += n
+    return torch.tensor(rows, dtype=torch.int64)
 
 
 def _block_tables(seqs: list[Sequence]) -> torch.Tensor:

@@ -8,7 +8,7 @@ the prepared inputs to every rank between the first two (tp_runner.py).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import torch
@@ -21,6 +21,7 @@ from nanoserve.engine import warmup
 from nanoserve.engine.kv_cache_spec import KVCacheSpec
 from nanoserve.engine.memory import CudaMemory, DeviceMemory
 from nanoserve.engine.model_inputs import ModelInputs, build_model_inputs, to_device
+from nanoserve.engine.prompt_logprobs import PromptLogprobsChunk, scored_positions
 from nanoserve.engine.scheduler import ScheduledBatch
 from nanoserve.engine.sequence import Sequence
 from nanoserve.layers.attention import Attention
@@ -28,6 +29,7 @@ from nanoserve.layers.context import ModelContext
 from nanoserve.models import head_dim_of, model_class
 from nanoserve.models.loader import load_weights, prepare_weights
 from nanoserve.sampling import Sampler, SamplingMetadata, SamplingRow
+from nanoserve.sampling.prompt_scores import score_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +39,7 @@ class StepOutput:
     token_ids: list[int]  # one per sampling entry of the batch, in batch order
     logprobs: list[float] | None
     top_logprobs: list[dict[int, float]] | None
+    prompt_logprobs: list[PromptLogprobsChunk] = field(default_factory=list)  # sequences scoring their prompt
 
 
 def resolve_device(device: str) -> torch.device:
@@ -198,7 +201,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, inputs: ModelInputs) -> torch.Tensor | None:
-        """Run the model; logits [num_sampling_rows, vocab] on rank 0 (None elsewhere)."""
+        """Run the model; logits [num_sampling_rows + num_prompt_logprob_rows, vocab] on rank 0 (None elsewhere)."""
         if self.model is None:
             raise RuntimeError("this LLM is closed")
         inputs = to_device(inputs, self.device)
@@ -228,6 +231,12 @@ class ModelRunner:
     @torch.inference_mode()
     def sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> StepOutput:
         rows = [seq for seq, samples in zip(batch.seqs, batch.samples) if samples]
+        prompt_logprobs = score_prompts(batch, logits[len(rows) :])
+        out = self._sample_rows(rows, logits[: len(rows)])
+        out.prompt_logprobs = prompt_logprobs
+        return out
+
+    def _sample_rows(self, rows: list[Sequence], logits: torch.Tensor) -> StepOutput:
         if not rows:
             return StepOutput([], None, None)
         meta = SamplingMetadata.build([sampling_row(seq) for seq in rows], self.vocab_size, self.device)
@@ -248,6 +257,31 @@ class ModelRunner:
 def run_model(model: torch.nn.Module, backend, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
     """The transformer body: hidden states [num_tokens, hidden]. CUDA graphs capture this."""
     return model(input_ids, positions, backend.prepare_metadata(meta))
+
+
+def score_prompts(batch: ScheduledBatch, logits: torch.Tensor) -> list[PromptLogprobsChunk]:
+    """The prompt logprobs of this step: `logits` are the rows after the sampling rows, one per
+    scored position, in batch order (model_inputs._prompt_logprob_rows)."""
+    spans = [(i, scored_positions(seq, n)) for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))]
+    spans = [(i, positions) for i, positions in spans if positions]
+    assert sum(len(p) for _, p in spans) == logits.shape[0], "prompt-logprob rows do not match the batch"
+    if not spans:
+        return []
+    targets = [batch.seqs[i].token_ids[p + 1] for i, positions in spans for p in positions]
+    k = max(batch.seqs[i].params.prompt_logprobs for i, _ in spans)
+    scores = score_tokens(logits, torch.tensor(targets, device=logits.device), k)
+    logprobs, ranks = scores.logprobs.tolist(), scores.ranks.tolist()
+    topk_ids, topk_logprobs = scores.topk_ids.tolist(), scores.topk_logprobs.tolist()
+    chunks, at = [], 0
+    for i, positions in spans:
+        own_k = batch.seqs[i].params.prompt_logprobs
+        end = at + len(positions)
+        chunks.append(PromptLogprobsChunk(
+            i, positions.start, logprobs[at:end], ranks[at:end],
+            [ids[:own_k] for ids in topk_ids[at:end]], [lps[:own_k] for lps in topk_logprobs[at:end]],
+        ))
+        at = end
+    return chunks
 
 
 def sampling_row(seq: Sequence) -> SamplingRow:
