@@ -50,6 +50,9 @@ class Config:
     # Structured outputs: append the tokens a grammar forces (key names, `":`, closing braces)
     # without sampling them (nanoserve/structured/matcher.py). False: every token is sampled, as in vLLM.
     structured_outputs_jump_forward: bool = True
+    # A request's tokens and logprobs bit-identical whatever else shares its steps (README "Scoring");
+    # also turned on by vLLM's env VLLM_BATCH_INVARIANT=1.
+    batch_invariant: bool = False
     # Read from the checkpoint in __post_init__; not meant to be passed by users.
     hf_config: dict = field(default_factory=dict, repr=False)
 
@@ -125,7 +128,7 @@ class Config:
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager",
-                     "structured_outputs_jump_forward"):
+                     "structured_outputs_jump_forward", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -24,9 +25,11 @@ BACKEND_NAMES = ("auto", "cpu", "torch", "flash_attn", "triton")  # or a Backend
 
 
 def select_backend(
-    device: torch.device, dtype: torch.dtype, requested: str | type, block_size: int | None, head_dim: int
+    device: torch.device, dtype: torch.dtype, requested: str | type, block_size: int | None, head_dim: int,
+    batch_invariant: bool = False,
 ) -> Backend:
-    """The backend for this device: `requested` if it can run here, else a clear ValueError."""
+    """The backend for this device: `requested` if it can run here, else a clear ValueError.
+    batch_invariant: only kernels whose per-row results do not depend on the batch (CPU)."""
     if isinstance(requested, type):
         if not issubclass(requested, Backend):
             raise TypeError(f"attention_backend must be a name or a Backend subclass, got {requested!r}")
@@ -36,19 +39,22 @@ def select_backend(
     elif device.type == "cuda":
         backend = _select_cuda(device, dtype, requested, block_size, head_dim)
     else:
-        backend = _select_cpu(device, dtype, requested)
+        backend = _select_cpu(device, dtype, requested, batch_invariant)
     logger.info("backend: %s", backend.describe())
     return backend
 
 
-def _select_cpu(device: torch.device, dtype: torch.dtype, requested: str) -> Backend:
+def _select_cpu(device: torch.device, dtype: torch.dtype, requested: str, batch_invariant: bool = False) -> Backend:
     if requested in ("triton", "flash_attn"):
         raise ValueError(f"attention_backend={requested!r} needs CUDA; on CPU 'cpu' (the default) or 'torch' run")
     if requested == "torch":
         return Backend(device, dtype)
     from nanoserve.backends.cpu import CPUBackend, CPUOptions
 
-    return CPUBackend(device, dtype, CPUOptions.from_env())
+    options = CPUOptions.from_env()
+    if batch_invariant:
+        options = dataclasses.replace(options, batch_invariant=True)
+    return CPUBackend(device, dtype, options)
 
 
 def flash_attn_unusable(

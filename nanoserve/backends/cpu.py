@@ -16,6 +16,7 @@ Switches, read once at startup (`CPUOptions.from_env`):
   NANOSERVE_CPU_GEMM=auto|panel|onednn-bf16|onednn-fp32|native   (fp32: onednn-fp32)
   NANOSERVE_CPU_KERNELS=1|0             build and use the C kernels
   NANOSERVE_CPU_ATTENTION=auto|torch    the C attention kernels, or the torch reference
+  VLLM_BATCH_INVARIANT=1                batch-invariant kernels (as LLM(batch_invariant=True))
 """
 from __future__ import annotations
 
@@ -42,6 +43,9 @@ class CPUOptions:
     gemm: str = "auto"
     kernels: bool = True
     attention: str = "auto"
+    # Prefill always through the C varlen kernel, never SDPA (see prepare_metadata and
+    # tests/test_batch_invariance.py).
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.gemm not in ("auto", *GEMM_PATHS):
@@ -56,7 +60,7 @@ class CPUOptions:
             raise ValueError(f"NANOSERVE_CPU_KERNELS must be 0 or 1, got {kernels!r}")
         gemm = environ.get("NANOSERVE_CPU_GEMM", "auto")
         return cls("onednn-fp32" if gemm == "fp32" else gemm, kernels == "1",
-                   environ.get("NANOSERVE_CPU_ATTENTION", "auto"))
+                   environ.get("NANOSERVE_CPU_ATTENTION", "auto"), environ.get("VLLM_BATCH_INVARIANT", "0") == "1")
 
 
 def native_lowp_gemm(dtype: torch.dtype) -> bool:
@@ -161,7 +165,11 @@ class CPUBackend(Backend):
     # ---- attention ----------------------------------------------------------------------------
 
     def prepare_metadata(self, meta: AttentionMetadata) -> AttentionMetadata:
-        if self.attention_lib is None or meta.num_prefills == 0 or meta.prefill_max_seqlen_q > cpu_attention.VARLEN_MAX_Q:
+        if self.attention_lib is None or meta.num_prefills == 0:
+            return meta
+        # Past VARLEN_MAX_Q query tokens SDPA is faster, but which one a prompt meets would then
+        # depend on the longest prefill sharing its step: batch_invariant keeps the C kernel.
+        if meta.prefill_max_seqlen_q > cpu_attention.VARLEN_MAX_Q and not self.options.batch_invariant:
             return meta
         tiles = cpu_attention.varlen_tiles(meta.prefill_cu_seqlens_q, meta.prefill_context_lens)
         return CPUAttentionMetadata(**vars(meta), prefill_tiles=tiles)

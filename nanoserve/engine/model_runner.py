@@ -62,7 +62,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, cfg, device)
         self.vocab_size = cfg["vocab_size"]
         self.backend = select_backend(
-            device, self.dtype, config.attention_backend, config.kvcache_block_size, head_dim_of(cfg)
+            device, self.dtype, config.attention_backend, config.kvcache_block_size, head_dim_of(cfg),
+            batch_invariant=config.batch_invariant,
         )
         self.kv_spec = KVCacheSpec(config.kvcache_block_size or self.backend.preferred_block_size, config.max_model_len)
         self.sampler = Sampler()
