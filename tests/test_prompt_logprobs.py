@@ -164,3 +164,36 @@ def test_prompt_logprobs_above_max_logprobs_is_refused_before_any_work(tiny_mode
     with pytest.raises(ValueError, match="prompt_logprobs=6 exceeds max_logprobs=5"):
         generate(llm, [[1, 2, 3]], prompt_logprobs=6, **SCORE)
     assert_no_leak(llm)
+
+
+def test_run_batch_echo_and_prompt_logprobs_as_openai_and_vllm(tiny_model):
+    from nanoserve.engine.request_stream import stream_requests
+    from nanoserve.entrypoints.openai_request import RequestBuilder
+    from nanoserve.entrypoints.openai_response import result_record
+
+    llm = make_llm(tiny_model)
+    builder, tok = RequestBuilder(llm, tiny_model), llm.get_tokenizer()
+    prompt = random_prompts(1, 9, 9, seed=11)[0]
+    body = {"prompt": prompt, "echo": True, "logprobs": 2, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    request = builder.build({"method": "POST", "url": "/v1/completions", "body": body})
+    assert request.params.prompt_logprobs == 2
+    [(_, out)] = stream_requests(llm.engine, [(0, request)], 1)
+    choice = result_record("c", "/v1/completions", out, "m", tok, echo=True)["response"]["body"]["choices"][0]
+    sample = out.outputs[0]
+    texts = [tok.decode([t]) for t in prompt + sample.token_ids]
+    lp = choice["logprobs"]
+    assert choice["text"] == tok.decode(prompt) + sample.text
+    assert lp["tokens"] == texts
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:len(prompt)] == [out.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))]
+    assert lp["token_logprobs"][len(prompt):] == [s[t].logprob for t, s in zip(sample.token_ids, sample.logprobs)]
+    assert lp["text_offset"] == [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+    # vLLM's body field: per choice, token ids as strings
+    body = {"prompt": prompt, "prompt_logprobs": 1, "max_tokens": 1, "temperature": 0}
+    [(_, out)] = stream_requests(llm.engine, [(0, builder.build({"method": "POST", "url": "/v1/completions",
+                                                                  "body": body}))], 1)
+    choice = result_record("c", "/v1/completions", out, "m", tok)["response"]["body"]["choices"][0]
+    assert choice["prompt_logprobs"][0] is None
+    assert choice["prompt_logprobs"][1][str(prompt[1])]["logprob"] == out.prompt_logprobs[1][prompt[1]].logprob
+    with pytest.raises(ValueError, match="`prompt_logprobs` must be an integer >= 0"):
+        builder.build({"method": "POST", "url": "/v1/completions", "body": {**body, "prompt_logprobs": -1}})

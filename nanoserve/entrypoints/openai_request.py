@@ -27,12 +27,10 @@ URLS = (CHAT_URL, COMPLETIONS_URL)
 # Body fields nanoserve cannot honour, each with the test for a value that asks for nothing.
 _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "stream": lambda v: v is False,
-    "echo": lambda v: v is False,
     "suffix": lambda v: v == "",
     "best_of": lambda v: v == 1,
     "use_beam_search": lambda v: v is False,
     "logit_bias": lambda v: not v,
-    "prompt_logprobs": lambda v: False,
     "tools": lambda v: not v,
     "tool_choice": lambda v: v in ("none", "auto"),
     "structural_tag": lambda v: False,
@@ -101,6 +99,8 @@ class RequestBuilder:
             if body.get(field) is not None and not asks_nothing(body[field]):
                 raise ValueError(f"`{field}` is not supported by nanoserve run-batch (got {body[field]!r})")
         chat = url == CHAT_URL
+        if chat and body.get("echo") not in (None, False):
+            raise ValueError(f"`echo` is not supported by nanoserve run-batch for {CHAT_URL} (got {body['echo']!r})")
         prompt, add_special_tokens = self._chat_prompt(body) if chat else self._completion_prompt(body)
         tokenization_kwargs = {"add_special_tokens": add_special_tokens}
         _, token_ids = self.processor.tokenize(prompt, tokenization_kwargs=tokenization_kwargs)
@@ -139,9 +139,21 @@ class RequestBuilder:
             kwargs[name] = body[name] if body.get(name) is not None else getattr(self.defaults, name)
         kwargs["logprobs"] = self._logprobs(body, chat)
         kwargs["max_tokens"] = self._max_tokens(body, chat, num_prompt_tokens)
+        kwargs["prompt_logprobs"] = self._prompt_logprobs(body, chat, kwargs["logprobs"])
         # response_format / structured_outputs / guided_* (nanoserve/structured/openai.py)
         kwargs["structured_outputs"] = structured_outputs_from_body(body)
         return SamplingParams(**kwargs)
+
+    @staticmethod
+    def _prompt_logprobs(body: dict, chat: bool, logprobs: int | None) -> int | None:
+        """vLLM's server: `prompt_logprobs` as given; completions with `echo` and `logprobs` score
+        the prompt with the same k (the OpenAI echo format lm-eval's local-completions reads)."""
+        asked = body.get("prompt_logprobs")
+        if asked is not None and (not isinstance(asked, int) or isinstance(asked, bool) or asked < 0):
+            raise ValueError(f"`prompt_logprobs` must be an integer >= 0, got {asked!r}")
+        if not chat and _flag(body, "echo", False) and logprobs is not None:
+            return max(asked or 0, logprobs)
+        return asked
 
     @staticmethod
     def _logprobs(body: dict, chat: bool) -> int | None:

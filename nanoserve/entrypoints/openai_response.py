@@ -24,8 +24,8 @@ def _uid() -> str:
     return uuid.uuid4().hex
 
 
-def result_record(custom_id: str, url: str, out: RequestOutput, model: str, tokenizer) -> dict:
-    body = _chat_body(out, model, tokenizer) if url == CHAT_URL else _completion_body(out, model, tokenizer)
+def result_record(custom_id: str, url: str, out: RequestOutput, model: str, tokenizer, echo: bool = False) -> dict:
+    body = _chat_body(out, model, tokenizer) if url == CHAT_URL else _completion_body(out, model, tokenizer, echo)
     return {
         "id": f"nanoserve-{_uid()}",
         "custom_id": custom_id,
@@ -79,19 +79,20 @@ def _chat_body(out: RequestOutput, model: str, tokenizer) -> dict:
     return {
         "id": f"chatcmpl-{_uid()}", "object": "chat.completion", "created": int(time.time()), "model": model,
         "choices": choices, "service_tier": None, "system_fingerprint": None, "usage": _usage(out),
-        "prompt_logprobs": None, "kv_transfer_params": None,
+        "prompt_logprobs": _prompt_logprobs(out), "kv_transfer_params": None,
     }
 
 
-def _completion_body(out: RequestOutput, model: str, tokenizer) -> dict:
+def _completion_body(out: RequestOutput, model: str, tokenizer, echo: bool = False) -> dict:
+    prompt_text = (out.prompt if out.prompt is not None else tokenizer.decode(out.prompt_token_ids)) if echo else ""
     choices = [
         {
             "index": c.index,
-            "text": c.text,
-            "logprobs": _completion_logprobs(c, tokenizer),
+            "text": prompt_text + c.text,
+            "logprobs": _echo_logprobs(out, c, tokenizer) if echo else _completion_logprobs(c, tokenizer),
             "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
-            "prompt_logprobs": None,
+            "prompt_logprobs": _prompt_logprobs(out),
         }
         for c in out.outputs
     ]
@@ -141,4 +142,44 @@ def _completion_logprobs(c: CompletionOutput, tokenizer) -> dict | None:
         top.update({_token_text(tokenizer, t): max(lp.logprob, _MIN_LOGPROB) for t, lp in _top(step)})
         result["top_logprobs"].append(top)
         offset += len(text)
+    return result
+
+
+def _prompt_logprobs(out: RequestOutput) -> list[dict | None] | None:
+    """vLLM server's `prompt_logprobs`: per prompt token None or {"token id": {logprob, rank, decoded_token}}."""
+    if out.prompt_logprobs is None:
+        return None
+    return [
+        None if step is None else {
+            str(t): {"logprob": max(lp.logprob, _MIN_LOGPROB), "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for t, lp in step.items()
+        }
+        for step in out.prompt_logprobs
+    ]
+
+
+def _echo_logprobs(out: RequestOutput, c: CompletionOutput, tokenizer) -> dict | None:
+    """OpenAI completions `echo` + `logprobs`: the prompt's tokens first (token_logprobs and
+    top_logprobs null for the first), then the completion's, text_offset running over both."""
+    completion = _completion_logprobs(c, tokenizer)
+    if completion is None or out.prompt_logprobs is None:
+        return completion
+    result: dict[str, list] = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+    offset = 0
+    for token_id, step in zip(out.prompt_token_ids, out.prompt_logprobs, strict=True):
+        text = _token_text(tokenizer, token_id)
+        result["text_offset"].append(offset)
+        result["tokens"].append(text)
+        if step is None:
+            result["token_logprobs"].append(None)
+            result["top_logprobs"].append(None)
+        else:
+            result["token_logprobs"].append(max(step[token_id].logprob, _MIN_LOGPROB))
+            top = {text: max(step[token_id].logprob, _MIN_LOGPROB)}
+            top.update({_token_text(tokenizer, t): max(lp.logprob, _MIN_LOGPROB) for t, lp in _top(step)})
+            result["top_logprobs"].append(top)
+        offset += len(text)
+    result["text_offset"].extend(offset + o for o in completion["text_offset"])
+    for key in ("token_logprobs", "tokens", "top_logprobs"):
+        result[key].extend(completion[key])
     return result

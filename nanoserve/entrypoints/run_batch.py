@@ -33,6 +33,7 @@ class LineKey(NamedTuple):
     line: int
     custom_id: str | None  # None: the line is answered by its number (no custom_id of its own)
     url: str | None
+    echo: bool = False  # completions: the prompt comes back before the completion (text and logprobs)
 
 
 class StopOnSignal:
@@ -114,7 +115,7 @@ def _run(llm, input_file, output_file, model, done, total, max_inflight, progres
                     writer.write(error_record(key.custom_id, key.line, result))
                     num_failed += 1
                 else:
-                    writer.write(result_record(key.custom_id, key.url, result, model, llm.tokenizer))
+                    writer.write(result_record(key.custom_id, key.url, result, model, llm.tokenizer, key.echo))
                 bar.update(1)
                 bar.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):.0f} gen tok/s", refresh=False)
         except KeyboardInterrupt:
@@ -153,7 +154,9 @@ def _requests(
             request = builder.build(record)
         except (ValueError, TypeError, ModelNotFoundError) as e:
             request = RequestError(str(e), type(e))
-        yield LineKey(line, custom_id, record.get("url")), request
+        body = record.get("body")
+        echo = isinstance(body, dict) and body.get("echo") is True
+        yield LineKey(line, custom_id, record.get("url"), echo), request
 
 
 def _lines(path: str) -> Iterator[tuple[int, bytes]]:
