@@ -12,7 +12,9 @@ Each of the `concurrency=N` actors Ray starts builds one `LLM` and runs the batc
 A row holds `prompt` (text or token ids) or `messages` (a chat, through the chat template), and
 optionally its own `sampling_params` dict that overrides the shared one. Rows come back with the
 columns of Ray's own LLM processor added: `generated_text`, `generated_tokens`,
-`num_generated_tokens`, `num_input_tokens` and `finish_reason` (of the first sample). This module
+`num_generated_tokens`, `num_input_tokens` and `finish_reason` (of the first sample), and
+`prompt_logprobs` when a row's sampling_params ask for them (per prompt token None, or a list of
+{"token_id", "logprob", "rank"}: the prompt token first, then the top k). This module
 does not import Ray; `pip install "nanoserve[ray]"` installs Ray Data for the driver and workers.
 """
 from __future__ import annotations
@@ -94,6 +96,9 @@ class LLMPredictor:
                 errors.append(None)
             for name, value in zip(OUTPUT_COLUMNS, values):
                 out[name].append(value)
+        if any(not isinstance(r, RequestError) and r.prompt_logprobs is not None for r in results):
+            out["prompt_logprobs"] = [None if isinstance(r, RequestError) else _prompt_logprobs_column(r)
+                                      for r in results]
         if self.should_continue_on_error:
             out[ERROR_COLUMN] = errors
         return out
@@ -114,3 +119,13 @@ class LLMPredictor:
         if not isinstance(own, dict):
             raise TypeError(f"a row's `sampling_params` must be a dict, got {type(own).__name__}")
         return SamplingParams(**{**self.sampling_params, **{k: v for k, v in own.items() if v is not None}})
+
+
+def _prompt_logprobs_column(result) -> list | None:
+    """Arrow-friendly prompt logprobs: a struct of fixed fields per entry, not a dict keyed by id."""
+    if result.prompt_logprobs is None:
+        return None
+    return [
+        None if step is None else [{"token_id": t, "logprob": lp.logprob, "rank": lp.rank} for t, lp in step.items()]
+        for step in result.prompt_logprobs
+    ]

@@ -197,3 +197,18 @@ def test_run_batch_echo_and_prompt_logprobs_as_openai_and_vllm(tiny_model):
     assert choice["prompt_logprobs"][1][str(prompt[1])]["logprob"] == out.prompt_logprobs[1][prompt[1]].logprob
     with pytest.raises(ValueError, match="`prompt_logprobs` must be an integer >= 0"):
         builder.build({"method": "POST", "url": "/v1/completions", "body": {**body, "prompt_logprobs": -1}})
+
+
+def test_ray_predictor_rows_ask_for_prompt_logprobs(tiny_model):
+    from nanoserve.ray import LLMPredictor
+
+    predictor = LLMPredictor(tiny_model, {"temperature": 0, "max_tokens": 1},
+                             {"dtype": "float32", "kvcache_block_size": 8, "num_kvcache_blocks": 64, "max_model_len": 64})
+    prompts = random_prompts(2, 6, 6, seed=12)
+    out = predictor({"prompt": prompts, "sampling_params": [{"prompt_logprobs": 1}, {}]})
+    (want,) = generate(predictor.llm, [prompts[0]], prompt_logprobs=1, **SCORE)
+    column = out["prompt_logprobs"]
+    assert column[1] is None and column[0][0] is None
+    assert [[(e["token_id"], e["logprob"], e["rank"]) for e in step] for step in column[0][1:]] == [
+        [(t, lp.logprob, lp.rank) for t, lp in step.items()] for step in want.prompt_logprobs[1:]]
+    assert "prompt_logprobs" not in predictor({"prompt": prompts})
