@@ -212,3 +212,19 @@ def test_ray_predictor_rows_ask_for_prompt_logprobs(tiny_model):
     assert [[(e["token_id"], e["logprob"], e["rank"]) for e in step] for step in column[0][1:]] == [
         [(t, lp.logprob, lp.rank) for t, lp in step.items()] for step in want.prompt_logprobs[1:]]
     assert "prompt_logprobs" not in predictor({"prompt": prompts})
+
+
+def test_bench_mcq_workload_scores_with_and_without_the_cache(tiny_model):
+    from nanoserve.bench.cli import main
+    from nanoserve.bench.workloads import MCQ_CHOICES, WorkloadSpec, make_requests
+
+    requests = make_requests(WorkloadSpec("mcq", 2, (30, 40), (1, 5)), 1000)
+    assert len(requests) == 2 * MCQ_CHOICES
+    for i in range(0, len(requests), MCQ_CHOICES):  # the choices of one question share its context
+        contexts = {tuple(r.prompt[: r.score_from]) for r in requests[i : i + MCQ_CHOICES]}
+        assert len(contexts) == 1 and 30 <= len(contexts.pop()) <= 40
+    report = main(["--model", tiny_model, "--workload", "mcq", "--num-seqs", "2", "--input-len", "60", "60",
+                   "--output-len", "1", "3", "--dtype", "float32", "--device", "cpu", "--block-size", "8",
+                   "--no-warmup"])
+    assert report["mcq_caching_on"]["prefix_cache_hit_rate"] > 0.5
+    assert report["mcq_caching_off"]["prefix_cache_hit_rate"] == 0

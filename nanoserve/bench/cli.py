@@ -25,7 +25,9 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     w.add_argument("--workload", choices=list(PRESETS), default="random",
                    help="random: nano-vllm's shape; long-prompt: ~4000-token prompts (+ a one-block prefix-hit "
                         "probe); shared-prefix: caching on vs off; mixed: chunked prefill on vs off; json: JSON-schema "
-                        "constrained output vs its unconstrained twin, jump-forward on and off")
+                        "constrained output vs its unconstrained twin, jump-forward on and off; mcq: multiple-choice "
+                        "scoring with prompt logprobs (--input-len: context, --output-len: each of 4 continuations), "
+                        "caching on vs off")
     w.add_argument("--num-seqs", type=int, help="number of requests")
     w.add_argument("--input-len", type=int, nargs=2, metavar=("MIN", "MAX"),
                    help="prompt length range (shared-prefix: the distinct tail after the shared prefix)")

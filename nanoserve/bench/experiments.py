@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import time
 
-from nanoserve import LLM
+from nanoserve import LLM, SamplingParams
 from nanoserve.bench.driver import drive, sampling_params, warm_up
 from nanoserve.bench.machine import engine_description
 from nanoserve.bench.model_shape import ModelShape
@@ -175,5 +176,35 @@ def bench_mixed(args: argparse.Namespace, requests: list[Request], report: dict)
           "output tok/s")
 
 
+def bench_mcq(args: argparse.Namespace, requests: list[Request], report: dict) -> None:
+    """Scoring, as lm-eval's loglikelihood asks it: every choice's continuation scored through prompt
+    logprobs, all requests at once; prefix caching on (the shared contexts are hits) vs off."""
+    params = [SamplingParams(temperature=0.0, max_tokens=1, detokenize=False, prompt_logprobs=1,
+                             prompt_logprobs_start=r.score_from) for r in requests]
+    prompts = [{"prompt_token_ids": r.prompt} for r in requests]
+    times = {}
+    for name, key, caching in (("prefix caching on", "mcq_caching_on", True),
+                               ("prefix caching off", "mcq_caching_off", False)):
+        llm = _start(args, requests, report, enable_prefix_caching=caching)
+        if not args.no_warmup:
+            warm_up(llm, args.seed)
+        runs = []
+        for _ in range(args.repeat):
+            llm.reset_prefix_cache()  # every run starts cold: only hits within the run count
+            start = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            runs.append(time.perf_counter() - start)
+        times[key] = sorted(runs)[(len(runs) - 1) // 2]
+        report[key] = {"seconds_median": times[key], "seconds": runs, "requests_per_s": len(requests) / times[key],
+                       "prefix_cache_hit_rate": llm.prefix_cache_hit_rate}
+        print(f"[{name}] {len(requests)} scoring requests in {times[key]:.2f} s (median of {len(runs)}), "
+              f"{len(requests) / times[key]:.1f} req/s, hit rate {llm.prefix_cache_hit_rate:.1%}", flush=True)
+        del llm
+        gc.collect()
+    report["speedup_caching"] = times["mcq_caching_off"] / times["mcq_caching_on"]
+    print(f"\nmcq scoring: prefix caching {report['speedup_caching']:.2f}x faster than without")
+
+
 WORKLOADS = {"random": bench_throughput, "long-prompt": bench_throughput, "shared-prefix": bench_shared_prefix,
-             "mixed": bench_mixed, "json": lambda args, requests, report: bench_json(args, requests, report, make_llm)}
+             "mixed": bench_mixed, "json": lambda args, requests, report: bench_json(args, requests, report, make_llm),
+             "mcq": bench_mcq}

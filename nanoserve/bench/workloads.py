@@ -23,7 +23,11 @@ PRESETS: dict[str, dict] = {
     # Structured outputs (bench/structured.py): JSON-schema constrained vs its unconstrained twin;
     # output_len is each request's max_tokens (the grammar usually ends it sooner).
     "json": dict(num_seqs=16, input_len=(32, 64), output_len=(160, 160)),
+    # Multiple-choice scoring (lm-eval's loglikelihood): num_seqs questions, each a context of
+    # input_len tokens and MCQ_CHOICES continuations of output_len tokens, scored by prompt logprobs.
+    "mcq": dict(num_seqs=8, input_len=(300, 800), output_len=(1, 20)),
 }
+MCQ_CHOICES = 4
 
 # Workloads whose requests all arrive at once: a peer engine (HF, vLLM) can run them as one batch.
 PEER_WORKLOADS = ("random", "long-prompt")
@@ -36,6 +40,8 @@ class Request:
     # 0: present from the start. k > 0: added once every request present from the start has made
     # k output tokens (or finished); the mixed and shared-prefix workloads use it.
     arrival: int = 0
+    # mcq: a scoring request (max_tokens 1); its prompt tokens from this index on are scored.
+    score_from: int | None = None
 
 
 @dataclass
@@ -80,6 +86,13 @@ def make_requests(spec: WorkloadSpec, vocab: int) -> list[Request]:
     if spec.name in ("random", "long-prompt", "json"):
         return [Request(random_tokens(rng, length(spec.input_len), vocab), length(spec.output_len))
                 for _ in range(spec.num_seqs)]
+    if spec.name == "mcq":
+        requests = []
+        for _ in range(spec.num_seqs):
+            context = random_tokens(rng, length(spec.input_len), vocab)
+            requests += [Request(context + random_tokens(rng, length(spec.output_len), vocab), 1, score_from=len(context))
+                         for _ in range(MCQ_CHOICES)]
+        return requests
     if spec.name == "shared-prefix":
         # The first request arrives alone (a system prompt the server has seen before); the rest
         # arrive once it has its first token, so caching can serve their prefix.
