@@ -1,6 +1,6 @@
 """Build, load and call the C kernels in cpu_kernels.c (CPU only).
 
-The source is compiled once per machine with the system C compiler (`cc -O3 -march=native
+The sources (this file's cpu_kernels.c and cpu_int8.c, one library) are compiled once per machine with the system C compiler (`cc -O3 -march=native
 -fopenmp`) into $NANOSERVE_CACHE/kernels (default ~/.cache/nanoserve/kernels, keyed by the source,
 the flags and the CPU) and loaded with ctypes; it links the OpenMP runtime torch has already
 loaded. Where no compiler is found or the build fails, `load()` returns None and the CPU backend
@@ -27,7 +27,7 @@ from nanoserve.cache import cache_root
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+SOURCES = (Path(__file__).with_name("cpu_kernels.c"), Path(__file__).with_name("cpu_int8.c"))
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
 
 _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -39,8 +39,19 @@ SIGNATURES = {
     "pack_bf16_panels": [_P, _I64, _I64, _P, _I32],
     "panel_gemm_bf16": [_P, _I64, _I64, _P, _I64, _P, _P, _I32],
     "panel_gemm_supported": [],
+    # cpu_int8.c (bound in cpu_int8.py)
+    "int8_gemm_supported": [],
+    "pack_int8_panels": [_P, _I64, _I64, _I64, _P, _I32],
+    "quantize_rows_int8": [_P, _I64, _I64, _I64, _P, _P, _I32],
+    "int8_gemm_w8a16": [_P, _I64, _I64, _P, _I64, _P, _I64, _I64, _P, _P, _I32],
+    "int8_gemm_w8a8": [_P, _P, _I64, _I64, _P, _I64, _P, _I64, _I64, _P, _P, _I32],
+    "peak_loop_fma_f32": [_I64, _I32],
+    "peak_loop_madd_i16": [_I64, _I32],
+    "peak_loop_maddubs_u8s8": [_I64, _I32],
 }
-RETURNS_INT = ("paged_attention_f32", "paged_decode_f32", "panel_gemm_bf16", "panel_gemm_supported")
+RETURNS_INT = ("paged_attention_f32", "paged_decode_f32", "panel_gemm_bf16", "panel_gemm_supported",
+               "int8_gemm_supported", "int8_gemm_w8a16", "int8_gemm_w8a8")
+RETURNS_DOUBLE = ("peak_loop_fma_f32", "peak_loop_madd_i16", "peak_loop_maddubs_u8s8")
 PANEL = 16  # output columns per packed weight panel (cpu_kernels.c)
 
 _lib: ctypes.CDLL | None = None
@@ -61,7 +72,7 @@ def _cpu_fingerprint() -> str:
 
 
 def _build(cc: str) -> Path:
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in SOURCES)
     key = hashlib.sha256(source + " ".join([cc, *CFLAGS]).encode() + _cpu_fingerprint().encode()).hexdigest()[:16]
     target = _cache_dir() / f"cpu_kernels-{key}.so"
     if target.exists():
@@ -70,7 +81,7 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, text=True)
+        subprocess.run([cc, *CFLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True, text=True)
         os.replace(tmp, target)  # atomic: a concurrent build of the same source is just as good
     finally:
         if os.path.exists(tmp):
@@ -98,7 +109,7 @@ def load() -> ctypes.CDLL | None:
         for name, argtypes in SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes = argtypes
-            fn.restype = ctypes.c_int if name in RETURNS_INT else None
+            fn.restype = ctypes.c_int if name in RETURNS_INT else ctypes.c_double if name in RETURNS_DOUBLE else None
         _lib = lib
         return _lib
 

@@ -1,0 +1,318 @@
+/* int8-weight GEMMs for nanoserve's CPU backend, compiled into the same library as cpu_kernels.c
+ * and called through ctypes (nanoserve/kernels/cpu_int8.py holds the bindings and the PyTorch
+ * reference of every function here; tests/test_int8.py holds them to it).
+ *
+ * Weights: int8, symmetric, one float32 scale per output channel and group of `group_size`
+ * input channels (group_size = K: per channel, what `quantization="int8"` uses; smaller groups are
+ * what int4 checkpoints need, and they run through the same loops: each group's partial sums are
+ * scaled into the tile once per group). Packed like the bf16 panels of cpu_kernels.c, in panels
+ * of 16 output columns, [ceil(N / 16)][Kp][16] int8 with Kp = K rounded up to even, zero-padded;
+ * scales [groups][ceil(N / 16) * 16] float32, so one panel's scales for a group are one vector.
+ *
+ * Two kernels read that one layout:
+ *   W8A16  x float32; 16 weights of a panel row widened in registers (vpmovsxbd + vcvtdq2ps),
+ *          then the 6x16 outer-product tile of the bf16 panel GEMM. Float32 math, no activation
+ *          rounding beyond the weights'.
+ *   W8A8   x quantized per token (row) to int8 values held as int16 (symmetric, scale amax/127);
+ *          two panel rows (k, k+1) are interleaved and sign-extended to int16 pairs, and vpmaddwd
+ *          against a broadcast (x[k], x[k+1]) pair does 16 multiply-adds into int32 per
+ *          instruction. vpmaddubsw (u8 x s8) would do 32 per instruction but needs a second
+ *          vpmaddwd to widen its int16 sums, so both reach the same rate on one multiply port,
+ *          and its int16 pair sums saturate for u8 activations (255 * 127 * 2 > 32767) unless
+ *          activations or weights lose a bit. The int16 form has neither problem.
+ * Exact int32 sums: |x|, |w| <= 127 and K < 2^31 / 127^2 / 2 per group.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+#define I8_PANEL 16
+#ifndef I8_ROW_BLOCK
+#define I8_ROW_BLOCK 256 /* rows of x per pass over the weights, as in the bf16 panel GEMM */
+#endif
+
+int int8_gemm_supported(void) {
+#if defined(__AVX2__) && defined(__FMA__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* q [N, K] int8 -> panels [ceil(N / 16), Kp, 16] int8, zero-padded past N and K. */
+void pack_int8_panels(const int8_t *q, int64_t N, int64_t K, int64_t Kp, int8_t *panels, int num_threads) {
+    const int64_t num_panels = (N + I8_PANEL - 1) / I8_PANEL;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t p = 0; p < num_panels; p++) {
+        int8_t *dst = panels + p * Kp * I8_PANEL;
+        memset(dst, 0, (size_t)(Kp * I8_PANEL));
+        for (int64_t j = 0; j < I8_PANEL && p * I8_PANEL + j < N; j++) {
+            const int8_t *src = q + (p * I8_PANEL + j) * K;
+            for (int64_t k = 0; k < K; k++) dst[k * I8_PANEL + j] = src[k];
+        }
+    }
+}
+
+/* Per-row symmetric quantization: scale = amax / 127, q = round-half-even(x * (127 / amax)),
+   written as int16 into rows of Kp (zeros past K). A zero row gets scale 0 and q 0. */
+void quantize_rows_int8(const float *x, int64_t M, int64_t K, int64_t Kp, int16_t *q, float *scales,
+                        int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * K > 32768)
+    for (int64_t m = 0; m < M; m++) {
+        const float *xr = x + m * K;
+        int16_t *qr = q + m * Kp;
+        float amax = 0.0f;
+#pragma omp simd reduction(max : amax)
+        for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(xr[k]));
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        scales[m] = amax / 127.0f;
+#pragma omp simd
+        for (int64_t k = 0; k < K; k++) qr[k] = (int16_t)nearbyintf(xr[k] * inv);
+        for (int64_t k = K; k < Kp; k++) qr[k] = 0;
+    }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+
+/* tile[r][0..15] += lo/hi * scale vector (one group's partial sums of row r) */
+static inline void flush_row(float *t, __m256 lo, __m256 hi, __m256 s0, __m256 s1) {
+    _mm256_storeu_ps(t, _mm256_fmadd_ps(lo, s0, _mm256_loadu_ps(t)));
+    _mm256_storeu_ps(t + 8, _mm256_fmadd_ps(hi, s1, _mm256_loadu_ps(t + 8)));
+}
+
+static inline void store_rows(int mb, const float tile[6][I8_PANEL], float *y, int64_t m0, int64_t N, int64_t n0,
+                              int64_t nn, const float *row_scale, const float *bias) {
+    for (int r = 0; r < mb; r++) {
+        float *yr = y + (m0 + r) * N + n0;
+        const float rs = row_scale ? row_scale[m0 + r] : 1.0f;
+        for (int64_t j = 0; j < nn; j++) yr[j] = tile[r][j] * rs + (bias ? bias[n0 + j] : 0.0f);
+    }
+}
+
+static inline __m256 widen_i8x8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* W8A16: rows m0 .. m0+mb-1 of x (float32, row stride K) against one panel. Named accumulators,
+   as in the bf16 panel tile: an array would be kept in memory. */
+static inline __attribute__((always_inline)) void w8a16_tile(const int mb, const float *x, int64_t m0, int64_t K,
+                                                              int64_t Kp, const int8_t *panel, const float *scales,
+                                                              int64_t Np, int64_t group, int64_t n0, int64_t nn,
+                                                              int64_t N, const float *bias, float *y) {
+    float tile[6][I8_PANEL] = {{0}};
+    const float *x0 = x + m0 * K, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K, *x4 = x3 + K, *x5 = x4 + K;
+    for (int64_t g0 = 0, gi = 0; g0 < K; g0 += group, gi++) {
+        const int64_t g1 = g0 + group < K ? g0 + group : K;
+        __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+        __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+        for (int64_t k = g0; k < g1; k++) {
+            const __m256 w0 = widen_i8x8(panel + k * I8_PANEL);
+            const __m256 w1 = widen_i8x8(panel + k * I8_PANEL + 8);
+            __m256 b = _mm256_broadcast_ss(x0 + k);
+            c00 = _mm256_fmadd_ps(b, w0, c00), c01 = _mm256_fmadd_ps(b, w1, c01);
+            if (mb > 1) b = _mm256_broadcast_ss(x1 + k), c10 = _mm256_fmadd_ps(b, w0, c10), c11 = _mm256_fmadd_ps(b, w1, c11);
+            if (mb > 2) b = _mm256_broadcast_ss(x2 + k), c20 = _mm256_fmadd_ps(b, w0, c20), c21 = _mm256_fmadd_ps(b, w1, c21);
+            if (mb > 3) b = _mm256_broadcast_ss(x3 + k), c30 = _mm256_fmadd_ps(b, w0, c30), c31 = _mm256_fmadd_ps(b, w1, c31);
+            if (mb > 4) b = _mm256_broadcast_ss(x4 + k), c40 = _mm256_fmadd_ps(b, w0, c40), c41 = _mm256_fmadd_ps(b, w1, c41);
+            if (mb > 5) b = _mm256_broadcast_ss(x5 + k), c50 = _mm256_fmadd_ps(b, w0, c50), c51 = _mm256_fmadd_ps(b, w1, c51);
+        }
+        const __m256 s0 = _mm256_loadu_ps(scales + gi * Np + n0), s1 = _mm256_loadu_ps(scales + gi * Np + n0 + 8);
+        flush_row(tile[0], c00, c01, s0, s1);
+        if (mb > 1) flush_row(tile[1], c10, c11, s0, s1);
+        if (mb > 2) flush_row(tile[2], c20, c21, s0, s1);
+        if (mb > 3) flush_row(tile[3], c30, c31, s0, s1);
+        if (mb > 4) flush_row(tile[4], c40, c41, s0, s1);
+        if (mb > 5) flush_row(tile[5], c50, c51, s0, s1);
+    }
+    (void)Kp;
+    store_rows(mb, tile, y, m0, N, n0, nn, NULL, bias);
+}
+
+/* (x[k], x[k+1]) of an int16 row, broadcast to every 32-bit lane */
+static inline __m256i pair_i16(const int16_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return _mm256_set1_epi32(v);
+}
+
+#define MADD(acc, b, w) acc = _mm256_add_epi32(acc, _mm256_madd_epi16(b, w))
+
+/* W8A8: rows m0 .. m0+mb-1 of the quantized x (int16, row stride Kp) against one panel. */
+static inline __attribute__((always_inline)) void w8a8_tile(const int mb, const int16_t *xq, const float *xs,
+                                                             int64_t m0, int64_t K, int64_t Kp, const int8_t *panel,
+                                                             const float *scales, int64_t Np, int64_t group,
+                                                             int64_t n0, int64_t nn, int64_t N, const float *bias,
+                                                             float *y) {
+    float tile[6][I8_PANEL] = {{0}};
+    const int16_t *x0 = xq + m0 * Kp, *x1 = x0 + Kp, *x2 = x1 + Kp, *x3 = x2 + Kp, *x4 = x3 + Kp, *x5 = x4 + Kp;
+    for (int64_t g0 = 0, gi = 0; g0 < Kp; g0 += group, gi++) {
+        const int64_t g1 = g0 + group < Kp ? g0 + group : Kp;
+        __m256i c00 = _mm256_setzero_si256(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+        __m256i c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+        for (int64_t k = g0; k < g1; k += 2) {
+            /* rows k and k+1 of the panel, interleaved: (w[k][j], w[k+1][j]) pairs, j = 0..15 */
+            const __m128i r0 = _mm_loadu_si128((const __m128i *)(panel + k * I8_PANEL));
+            const __m128i r1 = _mm_loadu_si128((const __m128i *)(panel + (k + 1) * I8_PANEL));
+            const __m256i w0 = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(r0, r1));  /* columns 0-7 */
+            const __m256i w1 = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(r0, r1));  /* columns 8-15 */
+            __m256i b = pair_i16(x0 + k);
+            MADD(c00, b, w0), MADD(c01, b, w1);
+            if (mb > 1) b = pair_i16(x1 + k), MADD(c10, b, w0), MADD(c11, b, w1);
+            if (mb > 2) b = pair_i16(x2 + k), MADD(c20, b, w0), MADD(c21, b, w1);
+            if (mb > 3) b = pair_i16(x3 + k), MADD(c30, b, w0), MADD(c31, b, w1);
+            if (mb > 4) b = pair_i16(x4 + k), MADD(c40, b, w0), MADD(c41, b, w1);
+            if (mb > 5) b = pair_i16(x5 + k), MADD(c50, b, w0), MADD(c51, b, w1);
+        }
+        const __m256 s0 = _mm256_loadu_ps(scales + gi * Np + n0), s1 = _mm256_loadu_ps(scales + gi * Np + n0 + 8);
+        flush_row(tile[0], _mm256_cvtepi32_ps(c00), _mm256_cvtepi32_ps(c01), s0, s1);
+        if (mb > 1) flush_row(tile[1], _mm256_cvtepi32_ps(c10), _mm256_cvtepi32_ps(c11), s0, s1);
+        if (mb > 2) flush_row(tile[2], _mm256_cvtepi32_ps(c20), _mm256_cvtepi32_ps(c21), s0, s1);
+        if (mb > 3) flush_row(tile[3], _mm256_cvtepi32_ps(c30), _mm256_cvtepi32_ps(c31), s0, s1);
+        if (mb > 4) flush_row(tile[4], _mm256_cvtepi32_ps(c40), _mm256_cvtepi32_ps(c41), s0, s1);
+        if (mb > 5) flush_row(tile[5], _mm256_cvtepi32_ps(c50), _mm256_cvtepi32_ps(c51), s0, s1);
+    }
+    (void)K;
+    store_rows(mb, tile, y, m0, N, n0, nn, xs, bias);
+}
+
+/* Row blocks outermost, then panels split across threads, then 6-row tiles (as panel_gemm_bf16). */
+#define I8_DRIVE(TILE, ...)                                                                      \
+    do {                                                                                         \
+        const int64_t num_panels = (N + I8_PANEL - 1) / I8_PANEL;                                \
+        for (int64_t r0 = 0; r0 < M; r0 += I8_ROW_BLOCK) {                                       \
+            const int64_t r1 = M - r0 < I8_ROW_BLOCK ? M : r0 + I8_ROW_BLOCK;                    \
+            _Pragma("omp parallel for schedule(static) num_threads(num_threads)")               \
+            for (int64_t p = 0; p < num_panels; p++) {                                           \
+                const int8_t *panel = panels + p * Kp * I8_PANEL;                                \
+                const int64_t n0 = p * I8_PANEL, nn = N - n0 < I8_PANEL ? N - n0 : I8_PANEL;      \
+                int64_t m0 = r0;                                                                 \
+                for (; m0 + 6 <= r1; m0 += 6) TILE(6, __VA_ARGS__);                              \
+                switch (r1 - m0) {                                                               \
+                    case 5: TILE(5, __VA_ARGS__); break;                                         \
+                    case 4: TILE(4, __VA_ARGS__); break;                                         \
+                    case 3: TILE(3, __VA_ARGS__); break;                                         \
+                    case 2: TILE(2, __VA_ARGS__); break;                                         \
+                    case 1: TILE(1, __VA_ARGS__); break;                                         \
+                    default: break;                                                              \
+                }                                                                                \
+            }                                                                                    \
+        }                                                                                        \
+    } while (0)
+#endif
+
+/* y[M, N] = x[M, K] . dequant(w)^T (+ bias), x and y float32. Returns 1 without AVX2/FMA. */
+int int8_gemm_w8a16(const float *x, int64_t M, int64_t K, const int8_t *panels, int64_t Kp, const float *scales,
+                    int64_t group, int64_t N, const float *bias, float *y, int num_threads) {
+#if defined(__AVX2__) && defined(__FMA__)
+    const int64_t Np = (N + I8_PANEL - 1) / I8_PANEL * I8_PANEL;
+    I8_DRIVE(w8a16_tile, x, m0, K, Kp, panel, scales, Np, group, n0, nn, N, bias, y);
+    return 0;
+#else
+    (void)x; (void)M; (void)K; (void)panels; (void)Kp; (void)scales; (void)group; (void)N; (void)bias; (void)y;
+    (void)num_threads;
+    return 1;
+#endif
+}
+
+/* y[M, N] = xs[m] * (xq[M, Kp] . w^T, scaled per group) (+ bias). xq from quantize_rows_int8.
+   group must be even (pairs of k never straddle a group). Returns 1 without AVX2/FMA. */
+int int8_gemm_w8a8(const int16_t *xq, const float *xs, int64_t M, int64_t K, const int8_t *panels, int64_t Kp,
+                   const float *scales, int64_t group, int64_t N, const float *bias, float *y, int num_threads) {
+#if defined(__AVX2__) && defined(__FMA__)
+    const int64_t Np = (N + I8_PANEL - 1) / I8_PANEL * I8_PANEL;
+    I8_DRIVE(w8a8_tile, xq, xs, m0, K, Kp, panel, scales, Np, group, n0, nn, N, bias, y);
+    return 0;
+#else
+    (void)xq; (void)xs; (void)M; (void)K; (void)panels; (void)Kp; (void)scales; (void)group; (void)N; (void)bias;
+    (void)y; (void)num_threads;
+    return 1;
+#endif
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Instruction peaks: register-only loops, no memory traffic, 12 independent dependency chains  */
+/* per thread (more than latency x throughput on any AVX2 core). Each chain feeds its own       */
+/* result back as the next input, so no two chains compute the same value (the compiler would  */
+/* merge them) and nothing is loop-invariant (it would hoist it). Each returns the             */
+/* multiply-adds done (one lane product = one), or 0 without AVX2/FMA; the caller times it.    */
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define LAUNDER(v) __asm__ volatile("" : "+x"(v))
+#define CHAINS(STEP) STEP(c0), STEP(c1), STEP(c2), STEP(c3), STEP(c4), STEP(c5), STEP(c6), STEP(c7), STEP(c8), \
+                     STEP(c9), STEP(c10), STEP(c11)
+#define SINK_ALL() do { LAUNDER(c0); LAUNDER(c1); LAUNDER(c2); LAUNDER(c3); LAUNDER(c4); LAUNDER(c5); \
+                        LAUNDER(c6); LAUNDER(c7); LAUNDER(c8); LAUNDER(c9); LAUNDER(c10); LAUNDER(c11); } while (0)
+#endif
+
+/* vfmadd231ps ymm: 8 multiply-adds */
+double peak_loop_fma_f32(int64_t iters, int num_threads) {
+#if defined(__AVX2__) && defined(__FMA__)
+#pragma omp parallel num_threads(num_threads)
+    {
+        const __m256 a = _mm256_set1_ps(1e-7f), b = _mm256_set1_ps(0.999f);
+        __m256 c0 = _mm256_set1_ps(0.f), c1 = _mm256_set1_ps(1.f), c2 = _mm256_set1_ps(2.f), c3 = _mm256_set1_ps(3.f);
+        __m256 c4 = _mm256_set1_ps(4.f), c5 = _mm256_set1_ps(5.f), c6 = _mm256_set1_ps(6.f), c7 = _mm256_set1_ps(7.f);
+        __m256 c8 = _mm256_set1_ps(8.f), c9 = _mm256_set1_ps(9.f), c10 = _mm256_set1_ps(10.f), c11 = _mm256_set1_ps(11.f);
+        SINK_ALL();
+#define STEP(c) c = _mm256_fmadd_ps(c, b, a)
+        for (int64_t i = 0; i < iters; i++) CHAINS(STEP);
+#undef STEP
+        SINK_ALL();
+    }
+    return (double)iters * 12 * 8 * num_threads;
+#else
+    (void)iters; (void)num_threads;
+    return 0.0;
+#endif
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define INT_CHAINS_INIT()                                                                                   \
+    __m256i c0 = _mm256_set1_epi16(0), c1 = _mm256_set1_epi16(1), c2 = _mm256_set1_epi16(2),               \
+            c3 = _mm256_set1_epi16(3), c4 = _mm256_set1_epi16(4), c5 = _mm256_set1_epi16(5),               \
+            c6 = _mm256_set1_epi16(6), c7 = _mm256_set1_epi16(7), c8 = _mm256_set1_epi16(8),               \
+            c9 = _mm256_set1_epi16(9), c10 = _mm256_set1_epi16(10), c11 = _mm256_set1_epi16(11);           \
+    SINK_ALL()
+#endif
+
+/* vpmaddwd + vpaddd ymm (the W8A8 kernel's pair): 16 multiply-adds */
+double peak_loop_madd_i16(int64_t iters, int num_threads) {
+#if defined(__AVX2__) && defined(__FMA__)
+#pragma omp parallel num_threads(num_threads)
+    {
+        const __m256i w = _mm256_set1_epi16(3);
+        INT_CHAINS_INIT();
+#define STEP(c) c = _mm256_add_epi32(_mm256_madd_epi16(c, w), w)
+        for (int64_t i = 0; i < iters; i++) CHAINS(STEP);
+#undef STEP
+        SINK_ALL();
+    }
+    return (double)iters * 12 * 16 * num_threads;
+#else
+    (void)iters; (void)num_threads;
+    return 0.0;
+#endif
+}
+
+/* vpmaddubsw + vpmaddwd(ones) + vpaddd ymm (u8 x s8, llama.cpp's AVX2 dot product): 32 multiply-adds */
+double peak_loop_maddubs_u8s8(int64_t iters, int num_threads) {
+#if defined(__AVX2__) && defined(__FMA__)
+#pragma omp parallel num_threads(num_threads)
+    {
+        const __m256i ones = _mm256_set1_epi16(1), w = _mm256_set1_epi8(3);
+        INT_CHAINS_INIT();
+#define STEP(c) c = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(c, w), ones), w)
+        for (int64_t i = 0; i < iters; i++) CHAINS(STEP);
+#undef STEP
+        SINK_ALL();
+    }
+    return (double)iters * 12 * 32 * num_threads;
+#else
+    (void)iters; (void)num_threads;
+    return 0.0;
+#endif
+}

@@ -1,0 +1,163 @@
+"""int8 weights on the CPU: quantization, packing, the two GEMMs of cpu_int8.c and their references.
+
+Weights are quantized once at load, symmetric, one scale per output channel and group of
+`group_size` input channels (None: the whole row, i.e. per channel):
+    scale[n, g] = max |w[n, k in g]| / 127,   q[n, k] = round(w[n, k] / scale[n, g])   in [-127, 127]
+Two GEMMs read the same packed weights (cpu_int8.c says how):
+  W8A16  y = x . (q * scale)^T in float32                  (activations untouched)
+  W8A8   y = sx[m] * sum_g scale[n, g] * (qx . q)_g         (activations quantized per token:
+         sx[m] = max |x[m]| / 127, qx = round(x * 127 / max |x[m]|); the group sums are exact int32)
+Each `*_torch` function is the reference the C kernel is tested against, same arguments.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+QMAX = 127  # symmetric: -128 is never produced, so |q| * |q| products and their negation are exact
+PANEL = 16  # output columns per packed panel (cpu_int8.c)
+
+
+# ---- quantization (used at load, and the references' first step) -----------------------------
+
+def check_group_size(group_size: int | None, in_features: int) -> int:
+    """The effective group size: `in_features` for None (per channel); else an even positive int."""
+    if group_size is None or group_size >= in_features:
+        return in_features
+    if not isinstance(group_size, int) or group_size < 2 or group_size % 2:
+        raise ValueError(f"group_size must be an even int >= 2 (or None for per channel), got {group_size!r}")
+    return group_size
+
+
+def quantize_weight_int8(weight: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] (any float dtype) -> (q [N, K] int8, scales [N, ceil(K / group)] float32)."""
+    n, k = weight.shape
+    group = check_group_size(group_size, k)
+    groups = -(-k // group)
+    w = weight.detach().float()
+    padded = torch.nn.functional.pad(w, (0, groups * group - k)).view(n, groups, group)
+    scales = padded.abs().amax(dim=-1) / QMAX  # [N, groups]
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = torch.round(padded / safe.unsqueeze(-1)).clamp_(-QMAX, QMAX).view(n, -1)[:, :k]
+    return q.to(torch.int8).contiguous(), scales.contiguous()
+
+
+def dequantize_weight_int8(q: torch.Tensor, scales: torch.Tensor, group_size: int | None = None) -> torch.Tensor:
+    """The float32 weight the int8 one stands for ([N, K])."""
+    k = q.shape[1]
+    group = check_group_size(group_size, k)
+    return q.float() * scales.repeat_interleave(group, dim=1)[:, :k]
+
+
+def quantize_rows_int8_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] float32 -> (q [M, K] int16 holding int8 values, scales [M] float32), per token.
+    The same float operations as quantize_rows_int8 in C: q = round-half-even(x * (127 / amax))."""
+    amax = x.abs().amax(dim=1)
+    inv = torch.where(amax > 0, QMAX / amax, torch.zeros_like(amax))
+    return torch.round(x * inv[:, None]).to(torch.int16), amax / QMAX
+
+
+def _group_sums(qx: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group_size: int | None) -> torch.Tensor:
+    """sum_g scales[n, g] * (qx . q) over group g, the group dot products exact (int64 matmul)."""
+    k = q.shape[1]
+    group = check_group_size(group_size, k)
+    out = torch.zeros(qx.shape[0], q.shape[0], dtype=torch.float64)
+    for g, k0 in enumerate(range(0, k, group)):
+        part = qx[:, k0:k0 + group].long() @ q[:, k0:k0 + group].long().T  # [M, N] exact
+        out += part.double() * scales[:, g].double()
+    return out
+
+
+def int8_gemm_w8a16_torch(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group_size: int | None = None,
+                          bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] float32 . (q * scales)^T (+ bias) -> [M, N] float32."""
+    y = x.double() @ dequantize_weight_int8(q, scales, group_size).double().T
+    return (y + bias.double() if bias is not None else y).float()
+
+
+def int8_gemm_w8a8_torch(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group_size: int | None = None,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] float32, quantized per token, times the int8 weight -> [M, N] float32."""
+    qx, sx = quantize_rows_int8_torch(x.float())
+    y = _group_sums(qx, q, scales, group_size) * sx.double()[:, None]
+    return (y + bias.double() if bias is not None else y).float()
+
+
+# ---- the C kernels ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PackedInt8:
+    """An int8 weight packed for cpu_int8.c: panels [ceil(N / 16), Kp, 16] int8 and scales
+    [groups, ceil(N / 16) * 16] float32 (Kp = K rounded up to even)."""
+    panels: torch.Tensor
+    scales: torch.Tensor
+    out_features: int
+    in_features: int
+    group_size: int  # effective: in_features when per channel
+
+    @property
+    def padded_in(self) -> int:
+        return self.panels.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.panels.numel() * self.panels.element_size() + self.scales.numel() * self.scales.element_size()
+
+
+class Int8Kernels:
+    """The int8 GEMMs of a loaded kernel library (cpu_kernels.load())."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        if not lib.int8_gemm_supported():
+            raise ValueError("the int8 GEMMs need the CPU kernels built with AVX2 and FMA")
+        self.lib = lib
+
+    def pack(self, q: torch.Tensor, scales: torch.Tensor, group_size: int | None = None) -> PackedInt8:
+        """q [N, K] int8 and scales [N, groups] (quantize_weight_int8 with this group_size) -> the packed weight."""
+        n, k = q.shape if q.dim() == 2 else (0, 0)
+        group = check_group_size(group_size, k)
+        if q.dtype != torch.int8 or q.dim() != 2 or tuple(scales.shape) != (n, -(-k // group)):
+            raise ValueError("pack takes q [N, K] int8 and scales [N, ceil(K / group_size)] from quantize_weight_int8")
+        kp = k + k % 2
+        panels = torch.empty(-(-n // PANEL), kp, PANEL, dtype=torch.int8)
+        self.lib.pack_int8_panels(q.contiguous().data_ptr(), n, k, kp, panels.data_ptr(), torch.get_num_threads())
+        padded = torch.zeros(scales.shape[1], panels.shape[0] * PANEL, dtype=torch.float32)
+        padded[:, :n] = scales.float().T
+        return PackedInt8(panels, padded, n, k, group)
+
+    def _group(self, w: PackedInt8) -> int:
+        # one group (per channel) spans the padded width, so the W8A8 pairs never straddle it
+        return w.padded_in if w.group_size >= w.in_features else w.group_size
+
+    def quantize_rows(self, x: torch.Tensor, padded_in: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [M, K] float32 -> (q [M, padded_in] int16, zero past K; scales [M] float32)."""
+        x = x.contiguous()
+        m, k = x.shape
+        q = torch.empty(m, padded_in, dtype=torch.int16)
+        s = torch.empty(m, dtype=torch.float32)
+        self.lib.quantize_rows_int8(x.data_ptr(), m, k, padded_in, q.data_ptr(), s.data_ptr(), torch.get_num_threads())
+        return q, s
+
+    def w8a16(self, x: torch.Tensor, w: PackedInt8, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] float32 -> [M, N] float32 (bias float32)."""
+        x = x.contiguous()
+        y = torch.empty(x.shape[0], w.out_features, dtype=torch.float32)
+        with torch.profiler.record_function("nanoserve::cpu_int8_w8a16"):
+            self.lib.int8_gemm_w8a16(x.data_ptr(), x.shape[0], w.in_features, w.panels.data_ptr(), w.padded_in,
+                                     w.scales.data_ptr(), self._group(w), w.out_features,
+                                     bias.data_ptr() if bias is not None else None, y.data_ptr(),
+                                     torch.get_num_threads())
+        return y
+
+    def w8a8(self, x: torch.Tensor, w: PackedInt8, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] float32, quantized per token here -> [M, N] float32 (bias float32)."""
+        y = torch.empty(x.shape[0], w.out_features, dtype=torch.float32)
+        with torch.profiler.record_function("nanoserve::cpu_int8_w8a8"):
+            xq, xs = self.quantize_rows(x, w.padded_in)
+            self.lib.int8_gemm_w8a8(xq.data_ptr(), xs.data_ptr(), x.shape[0], w.in_features, w.panels.data_ptr(),
+                                    w.padded_in, w.scales.data_ptr(), self._group(w), w.out_features,
+                                    bias.data_ptr() if bias is not None else None, y.data_ptr(),
+                                    torch.get_num_threads())
+        return y
