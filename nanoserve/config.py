@@ -19,6 +19,7 @@ DTYPES = ("auto", *TORCH_DTYPES)
 # vLLM's spellings of the same dtypes (torch.dtype values are accepted too).
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 DEVICES = ("auto", "cpu", "cuda")
+QUANTIZATIONS = (None, "int8")  # int8: weights quantized at load, CPU backend (nanoserve/backends/cpu.py)
 WEIGHT_SUFFIXES = (".safetensors",)
 # Weights in pickle files: unpickling runs arbitrary code, so they are never read.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -53,6 +54,7 @@ class Config:
     # A request's tokens and logprobs bit-identical whatever else shares its steps (README "Scoring");
     # also turned on by vLLM's env VLLM_BATCH_INVARIANT=1.
     batch_invariant: bool = False
+    quantization: str | None = None  # "int8": per-channel int8 weights quantized at load (CPU only)
     # Read from the checkpoint in __post_init__; not meant to be passed by users.
     hf_config: dict = field(default_factory=dict, repr=False)
 
@@ -133,6 +135,12 @@ class Config:
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization={self.quantization!r} is not supported (one of {QUANTIZATIONS}: 'int8' quantizes a "
+                "float checkpoint's weights at load; pre-quantized GPTQ, AWQ, compressed-tensors or FP8 "
+                "checkpoints are not loaded)"
+            )
         if not self.cpu_kvcache_space_gib > 0:
             raise ValueError(f"cpu_kvcache_space_gib must be > 0, got {self.cpu_kvcache_space_gib}")
 

@@ -79,7 +79,6 @@ _NO_SPEC = "nanoserve has no speculative decoding; plain decoding with CUDA grap
 
 # name -> (the values that ask for nothing, what nanoserve offers instead)
 REFUSED: dict[str, tuple[tuple, str]] = {
-    "quantization": ((None,), "nanoserve runs unquantized weights: choose dtype='bfloat16', 'float16' or 'float32'"),
     "kv_cache_dtype": (("auto",), "the KV cache is kept in the model dtype: choose it with dtype"),
     "enable_lora": ((False,), NO_LORA),
     "max_loras": ((1,), NO_LORA),

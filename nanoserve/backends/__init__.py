@@ -26,10 +26,15 @@ BACKEND_NAMES = ("auto", "cpu", "torch", "flash_attn", "triton")  # or a Backend
 
 def select_backend(
     device: torch.device, dtype: torch.dtype, requested: str | type, block_size: int | None, head_dim: int,
-    batch_invariant: bool = False,
+    batch_invariant: bool = False, quantization: str | None = None,
 ) -> Backend:
     """The backend for this device: `requested` if it can run here, else a clear ValueError.
-    batch_invariant: only kernels whose per-row results do not depend on the batch (CPU)."""
+    batch_invariant: only kernels whose per-row results do not depend on the batch (CPU).
+    quantization (Config.quantization) runs on the CPU backend only."""
+    if quantization is not None and (device.type != "cpu" or requested not in ("auto", "cpu")):
+        raise ValueError(f"quantization={quantization!r} runs on the CPU backend only (device='cpu', "
+                         f"attention_backend 'auto' or 'cpu'); got device {device.type}, "
+                         f"attention_backend {requested!r}")
     if isinstance(requested, type):
         if not issubclass(requested, Backend):
             raise TypeError(f"attention_backend must be a name or a Backend subclass, got {requested!r}")
@@ -39,12 +44,13 @@ def select_backend(
     elif device.type == "cuda":
         backend = _select_cuda(device, dtype, requested, block_size, head_dim)
     else:
-        backend = _select_cpu(device, dtype, requested, batch_invariant)
+        backend = _select_cpu(device, dtype, requested, batch_invariant, quantization)
     logger.info("backend: %s", backend.describe())
     return backend
 
 
-def _select_cpu(device: torch.device, dtype: torch.dtype, requested: str, batch_invariant: bool = False) -> Backend:
+def _select_cpu(device: torch.device, dtype: torch.dtype, requested: str, batch_invariant: bool = False,
+                quantization: str | None = None) -> Backend:
     if requested in ("triton", "flash_attn"):
         raise ValueError(f"attention_backend={requested!r} needs CUDA; on CPU 'cpu' (the default) or 'torch' run")
     if requested == "torch":
@@ -54,7 +60,7 @@ def _select_cpu(device: torch.device, dtype: torch.dtype, requested: str, batch_
     options = CPUOptions.from_env()
     if batch_invariant:
         options = dataclasses.replace(options, batch_invariant=True)
-    return CPUBackend(device, dtype, options)
+    return CPUBackend(device, dtype, options, quantization)
 
 
 def flash_attn_unusable(

@@ -6,6 +6,11 @@ GEMMs (nanoserve/kernels/cpu_gemm.py), chosen once at startup:
                There PyTorch's own bf16 GEMM falls back to a slow kernel, 5-10x below float32.
   onednn-fp32  float32 models, and fp16 models on CPUs without fp16 math: a prepacked float32 copy
   native       F.linear in the model's dtype (fp16 models on CPUs with fp16 math)
+  int8         `quantization="int8"`, any model dtype: weights quantized per output channel at load
+               (LM head included), the kernels of cpu_int8.c. W8A16 (int8 weights widened to float32
+               in registers) below W8A8_MIN_ROWS rows, W8A8 (activations quantized per token) from
+               there on; where int8 multiply-adds are no faster than float32 FMAs (AVX2 without
+               VNNI) W8A8 only adds the activations' rounding, so W8A16 runs at every row count.
 Products of bf16 values are exact in float32 and every path accumulates in float32, so rounding to
 bf16 gives a bf16 GEMM's answer up to summation order.
 
@@ -17,6 +22,7 @@ Switches, read once at startup (`CPUOptions.from_env`):
   NANOSERVE_CPU_KERNELS=1|0             build and use the C kernels
   NANOSERVE_CPU_ATTENTION=auto|torch    the C attention kernels, or the torch reference
   VLLM_BATCH_INVARIANT=1                batch-invariant kernels (as LLM(batch_invariant=True))
+  NANOSERVE_CPU_INT8=auto|w8a16|w8a8    with quantization="int8": the rows rule, or one path always
 """
 from __future__ import annotations
 
@@ -30,12 +36,35 @@ import torch
 from nanoserve.backends.base import Backend, LinearFn
 from nanoserve.backends.metadata import AttentionMetadata
 from nanoserve.kernels import cpu_attention, cpu_kernels
-from nanoserve.kernels.cpu_gemm import BucketedLinear, OneDNNGemm, PanelGemm
+from nanoserve.kernels.cpu_gemm import BucketedLinear, Int8Gemm, OneDNNGemm, PanelGemm
+from nanoserve.kernels.cpu_int8 import Int8Kernels
 from nanoserve.kernels.paged_attention import paged_attention_decode_torch, paged_attention_varlen_torch
 
 logger = logging.getLogger(__name__)
 
 GEMM_PATHS = ("panel", "onednn-bf16", "onednn-fp32", "native")
+INT8_PATHS = ("w8a16", "w8a8")
+QUANTIZATIONS = ("int8",)
+
+
+def w8a8_min_rows(requested: str) -> int | None:
+    """From how many rows W8A8 runs (None: never), by CPU class. vpdpbusd (AVX-VNNI, AVX512-VNNI)
+    does 4x the multiply-adds of a float32 FMA per instruction, worth quantizing activations for
+    from a few rows on; plain AVX2 does them at the float32 rate (measured by bench.py's
+    instruction peaks), so W8A16 wins there at every row count."""
+    if requested != "auto":
+        return 1 if requested == "w8a8" else None
+    flags = _cpu_flags()
+    return 16 if {"avx512_vnni", "avx_vnni"} & flags else None
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return set()
+    return set(line.partition(":")[2].split())
 
 
 @dataclass(frozen=True)
@@ -46,8 +75,11 @@ class CPUOptions:
     # Prefill always through the C varlen kernel, never SDPA (see prepare_metadata and
     # tests/test_batch_invariance.py).
     batch_invariant: bool = False
+    int8: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.int8 not in ("auto", *INT8_PATHS):
+            raise ValueError(f"NANOSERVE_CPU_INT8 must be one of auto, {', '.join(INT8_PATHS)}, got {self.int8!r}")
         if self.gemm not in ("auto", *GEMM_PATHS):
             raise ValueError(f"NANOSERVE_CPU_GEMM must be one of auto, {', '.join(GEMM_PATHS)}, got {self.gemm!r}")
         if self.attention not in ("auto", "torch"):
@@ -60,7 +92,8 @@ class CPUOptions:
             raise ValueError(f"NANOSERVE_CPU_KERNELS must be 0 or 1, got {kernels!r}")
         gemm = environ.get("NANOSERVE_CPU_GEMM", "auto")
         return cls("onednn-fp32" if gemm == "fp32" else gemm, kernels == "1",
-                   environ.get("NANOSERVE_CPU_ATTENTION", "auto"), environ.get("VLLM_BATCH_INVARIANT", "0") == "1")
+                   environ.get("NANOSERVE_CPU_ATTENTION", "auto"), environ.get("VLLM_BATCH_INVARIANT", "0") == "1",
+                   environ.get("NANOSERVE_CPU_INT8", "auto"))
 
 
 def native_lowp_gemm(dtype: torch.dtype) -> bool:
@@ -110,15 +143,28 @@ def choose_gemm(requested: str, dtype: torch.dtype, kernels: cpu_kernels.CPUKern
 class CPUBackend(Backend):
     name = "cpu"
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, options: CPUOptions | None = None) -> None:
+    def __init__(
+        self, device: torch.device, dtype: torch.dtype, options: CPUOptions | None = None,
+        quantization: str | None = None,
+    ) -> None:
         super().__init__(device, dtype)
         self.options = options or CPUOptions()
+        if quantization is not None and quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {quantization!r}")
         lib = cpu_kernels.load() if self.options.kernels else None
         if self.options.kernels and lib is None:
             logger.info("the CPU kernels could not be built: PyTorch paths run instead")
         self.kernels = cpu_kernels.CPUKernels(lib) if lib is not None else None
         self.attention_lib = lib if self.options.attention == "auto" and dtype in cpu_attention.DTYPE_CODES else None
         self.gemm = choose_gemm(self.options.gemm, dtype, self.kernels)
+        self.int8 = None
+        if quantization == "int8":
+            if self.kernels is None or not self.kernels.lib.int8_gemm_supported():
+                raise ValueError("quantization='int8' needs the CPU kernels built with AVX2 and FMA "
+                                 "(a C compiler, NANOSERVE_CPU_KERNELS=1)")
+            self.int8 = Int8Kernels(self.kernels.lib)
+            self.w8a8_min_rows = w8a8_min_rows(self.options.int8)
+            self.gemm = "int8"
         self.packs_weights = self.gemm != "native"
         # Attention without the C kernels: widen where bf16/fp16 matmuls are slow.
         lowp = dtype in (torch.bfloat16, torch.float16)
@@ -126,7 +172,11 @@ class CPUBackend(Backend):
 
     def describe(self) -> dict[str, str]:
         attention = "C paged attention" if self.attention_lib is not None else "torch SDPA"
-        return {"backend": self.name, "gemm": self.gemm, "attention": attention,
+        gemm = self.gemm
+        if self.int8 is not None:
+            gemm = ("int8 W8A16" if self.w8a8_min_rows is None else "int8 W8A8" if self.w8a8_min_rows <= 1
+                    else f"int8 W8A16 below {self.w8a8_min_rows} rows, W8A8 from there")
+        return {"backend": self.name, "gemm": gemm, "attention": attention,
                 "fused ops": "C" if self.kernels is not None else "torch"}
 
     # ---- linear layers ------------------------------------------------------------------------
@@ -138,6 +188,8 @@ class CPUBackend(Backend):
         return self._gemm(weight, None, torch.float32)  # each path's float32 result, not rounded and widened
 
     def _gemm(self, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None) -> LinearFn:
+        if self.gemm == "int8":
+            return Int8Gemm(weight, bias, self.int8, self.w8a8_min_rows, out_dtype)
         if self.gemm == "panel":
             return PanelGemm(weight, bias, self.kernels, out_dtype)
         if self.gemm == "onednn-bf16":

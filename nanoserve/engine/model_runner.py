@@ -63,7 +63,7 @@ class ModelRunner:
         self.vocab_size = cfg["vocab_size"]
         self.backend = select_backend(
             device, self.dtype, config.attention_backend, config.kvcache_block_size, head_dim_of(cfg),
-            batch_invariant=config.batch_invariant,
+            batch_invariant=config.batch_invariant, quantization=config.quantization,
         )
         self.kv_spec = KVCacheSpec(config.kvcache_block_size or self.backend.preferred_block_size, config.max_model_len)
         self.sampler = Sampler()
