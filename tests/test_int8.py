@@ -163,3 +163,32 @@ def test_accuracy_gate_on_a_checkpoint_with_outlier_channels(tiny_model, tmp_pat
     assert w8a16.top1_agreement >= floor.top1_agreement - 0.03
     assert w8a16.mean_abs_logprob_diff <= 3 * floor.mean_abs_logprob_diff
     assert w8a8.mean_abs_logprob_diff > 1.3 * w8a16.mean_abs_logprob_diff  # the outliers cost per-token W8A8
+
+
+# ---- bench.py ----------------------------------------------------------------------------------------
+
+@needs_kernel
+def test_bench_reports_instruction_peaks_and_int8_paths(tiny_model):
+    from nanoserve.bench.cli import main
+
+    report = main(["--model", tiny_model, "--num-seqs", "2", "--input-len", "5", "9", "--output-len", "2", "3",
+                   "--dtype", "bfloat16", "--quantization", "int8"])
+    assert report["engine"]["gemm"].startswith("int8") and report["nanoserve"][0]["counts_ok"]
+    roof = report["roofline"]
+    assert set(roof["instruction_peaks"]) == {"peak_loop_fma_f32", "peak_loop_madd_i16", "peak_loop_maddubs_u8s8"}
+    assert all(v > 0 for v in roof["instruction_peaks"].values())
+    for per_path in roof["gemm_efficiency"].values():
+        assert {"int8 W8A16 (C)", "int8 W8A8 (C)", "panel bf16-weight (C)"} <= set(per_path)
+        assert all(v["of_peak"] > 0 for v in per_path.values())
+
+
+@needs_kernel
+def test_bench_accuracy_reports_every_path_on_both_checkpoints(tiny_model):
+    from nanoserve.bench.cli import main
+
+    report = main(["--model", tiny_model, "--num-seqs", "2", "--input-len", "5", "9", "--accuracy",
+                   "--accuracy-tokens", "4"])
+    for name in ("checkpoint", "with outlier channels"):
+        rows = report["accuracy"][name]
+        assert [r["path"] for r in rows] == ["bf16", "int8 W8A16", "int8 W8A8", "float32 (floor)"]
+        assert all(r["positions"] == 8 and 0 <= r["top1_agreement"] <= 1 for r in rows)

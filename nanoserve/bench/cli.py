@@ -8,7 +8,7 @@ import os
 import torch
 
 from nanoserve.bench.checkpoints import available_archs, resolve_model
-from nanoserve.bench.experiments import WORKLOADS
+from nanoserve.bench.experiments import WORKLOADS, bench_accuracy
 from nanoserve.bench.machine import describe_machine, machine_info
 from nanoserve.bench.peers.hf import HF_PATHS
 from nanoserve.bench.peers.vllm import default_vllm_python
@@ -57,6 +57,9 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--no-chunked-prefill", action="store_true")
     e.add_argument("--enforce-eager", action="store_true")
+    e.add_argument("--quantization", choices=["int8"],
+                   help="int8: per-channel int8 weights quantized at load (CPU; NANOSERVE_CPU_INT8=w8a16|w8a8 "
+                        "forces one int8 GEMM)")
 
     o = p.add_argument_group("comparison and output")
     o.add_argument("--compare", action="append", choices=["hf", "vllm"],
@@ -75,6 +78,12 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     o.add_argument("--profile", action="store_true",
                    help="also profile one prefill step and one decode step (torch.profiler top ops)")
     o.add_argument("--json", metavar="PATH", help="write every figure to PATH")
+    o.add_argument("--accuracy", action="store_true",
+                   help="instead of timing: the int8 accuracy gate against the bf16 model (teacher-forced top-1 "
+                        "agreement and mean |logprob diff| per path, float32 as the noise floor), on the checkpoint "
+                        "and on a copy with outlier activation channels")
+    o.add_argument("--accuracy-prompts", type=int, default=8, help="--accuracy: prompts (the workload's first)")
+    o.add_argument("--accuracy-tokens", type=int, default=32, help="--accuracy: teacher-forced positions per prompt")
     return p
 
 
@@ -85,7 +94,7 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     for name in ("num_seqs", "repeat", "threads", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                 "block_size", "num_kvcache_blocks", "hf_batch_size"):
+                 "block_size", "num_kvcache_blocks", "hf_batch_size", "accuracy_prompts", "accuracy_tokens"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     for name in ("input_len", "output_len", "long_len"):
@@ -122,7 +131,10 @@ def main(argv: list[str] | None = None, description: str | None = None) -> dict:
           f"{device}", flush=True)
     print(describe_machine(report["machine"]), flush=True)
 
-    WORKLOADS[args.workload](args, requests, report)
+    if args.accuracy:
+        bench_accuracy(args, requests, report)
+    else:
+        WORKLOADS[args.workload](args, requests, report)
 
     if hasattr(os, "getloadavg"):  # includes this run itself: ~threads when nothing else ran
         report["machine"]["load_average_end"] = os.getloadavg()

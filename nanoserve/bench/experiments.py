@@ -1,5 +1,7 @@
 """What each workload measures, built from the one driver.
 
+--accuracy: instead of timing, the int8 paths' accuracy against bf16 (bench/accuracy.py).
+
 random / long-prompt: nanoserve's throughput, optionally against peers (HF, vLLM) on the same
 requests, repeats alternating back to back; long-prompt also probes a one-block prefix-cache hit.
 shared-prefix: prefix caching on vs off. mixed: chunked prefill on vs off. json: structured
@@ -9,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 import gc
+import tempfile
 import time
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.bench.accuracy import INT8_PATHS, measure_accuracy, realistic_checkpoint
 from nanoserve.bench.driver import drive, sampling_params, warm_up
 from nanoserve.bench.machine import engine_description
 from nanoserve.bench.model_shape import ModelShape
@@ -28,7 +32,7 @@ def make_llm(args: argparse.Namespace, requests: list[Request], **overrides) -> 
     max_model_len = args.max_model_len or max(len(r.prompt) + r.max_tokens for r in requests)
     kwargs = dict(device=args.device, dtype=args.dtype, max_model_len=max_model_len,
                   enable_prefix_caching=not args.no_prefix_caching, enable_chunked_prefill=not args.no_chunked_prefill,
-                  enforce_eager=args.enforce_eager, seed=args.seed)
+                  enforce_eager=args.enforce_eager, seed=args.seed, quantization=getattr(args, "quantization", None))
     for key, arg in (("max_num_seqs", "max_num_seqs"), ("max_num_batched_tokens", "max_num_batched_tokens"),
                      ("num_kvcache_blocks", "num_kvcache_blocks"), ("kvcache_block_size", "block_size")):
         if getattr(args, arg) is not None:
@@ -47,7 +51,8 @@ def _roofline(args: argparse.Namespace, llm: LLM, report: dict) -> Roofline | No
     if args.no_roofline:
         return None
     shape = ModelShape.from_hf(llm.config.hf_config)
-    roof, figures = measure_roofline(shape, llm.engine.model_runner.dtype, llm.engine.device)
+    roof, figures = measure_roofline(shape, llm.engine.model_runner.dtype, llm.engine.device,
+                                     int8=llm.config.quantization == "int8")
     report["roofline"] = figures
     print_roofline(figures)
     return roof
@@ -203,6 +208,29 @@ def bench_mcq(args: argparse.Namespace, requests: list[Request], report: dict) -
         gc.collect()
     report["speedup_caching"] = times["mcq_caching_off"] / times["mcq_caching_on"]
     print(f"\nmcq scoring: prefix caching {report['speedup_caching']:.2f}x faster than without")
+
+
+def bench_accuracy(args: argparse.Namespace, requests: list[Request], report: dict) -> None:
+    """The int8 accuracy gate (bench/accuracy.py) on the workload's first prompts, on the checkpoint
+    and on a copy of it with outlier activation channels."""
+    prompts = [r.prompt[:64] for r in requests[: args.accuracy_prompts]]
+    with tempfile.TemporaryDirectory(prefix="nanoserve-outliers-") as outliers:
+        realistic_checkpoint(args.model, outliers, args.seed)
+        _accuracy_gate(args, prompts, {"checkpoint": args.model, "with outlier channels": outliers}, report)
+
+
+def _accuracy_gate(args: argparse.Namespace, prompts: list[list[int]], models: dict[str, str], report: dict) -> None:
+    paths = {**INT8_PATHS, "float32 (floor)": {"llm": {"dtype": "float32"}}}
+    max_model_len = max(len(p) for p in prompts) + args.accuracy_tokens
+    report["accuracy"] = {}
+    for name, model in models.items():
+        print(f"\naccuracy against bf16, {name} ({model}), {len(prompts)} prompts x {args.accuracy_tokens} "
+              "teacher-forced positions:", flush=True)
+        results, _ = measure_accuracy(model, prompts, args.accuracy_tokens, paths, device="cpu", dtype="bfloat16",
+                                      max_model_len=max_model_len)
+        for r in results:
+            print("  " + r.line(), flush=True)
+        report["accuracy"][name] = [vars(r) for r in results]
 
 
 WORKLOADS = {"random": bench_throughput, "long-prompt": bench_throughput, "shared-prefix": bench_shared_prefix,

@@ -57,6 +57,21 @@ def print_roofline(figures: dict) -> None:
     print(f"weight streaming, 1 row over {bw['buffer_bytes'] / 2**20:.1f} MiB: " + ", ".join(
         f"{k} {v / 1e9:.1f}" for k, v in bw["per_path_bytes_s"].items())
         + f" GB/s -> {bw['bandwidth'] / 1e9:.1f} GB/s ({bw['best_path']})")
+    print_instruction_peaks(figures)
+
+
+def print_instruction_peaks(figures: dict) -> None:
+    from nanoserve.bench.roofline import INSTRUCTIONS, PATH_INSTRUCTION
+
+    peaks = figures.get("instruction_peaks") or {}
+    if peaks:
+        fma = peaks["peak_loop_fma_f32"]
+        print("instruction peaks (register-only loops): " + ", ".join(
+            f"{INSTRUCTIONS[k]} {v / 1e9:.1f} GFLOP/s ({v / fma:.2f}x FMA)" for k, v in peaks.items()))
+    for rows, per_path in (figures.get("gemm_efficiency") or {}).items():
+        print(f"  C GEMMs at {rows} rows: " + ", ".join(
+            f"{name} {v['flops'] / 1e9:.1f} GFLOP/s = {v['of_peak']:.0%} of {INSTRUCTIONS[PATH_INSTRUCTION[name]]}"
+            for name, v in per_path.items()))
 
 
 def compare(ours: list[RunResult], peer_runs: dict[str, list[RunResult]]) -> dict[str, dict]:

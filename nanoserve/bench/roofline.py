@@ -4,6 +4,11 @@ Two figures bound every step: the best GEMM FLOP/s at the model's shapes (over e
 this machine has) and the weight-streaming bandwidth (model-dtype weight bytes per second through
 a decode-sized GEMM, one row, on a buffer far bigger than any cache). A step cannot take less
 than max(bytes it must read / bandwidth, FLOPs / peak); the run's floor is the sum over its steps.
+
+Under both, the instruction peaks (`measure_instruction_peaks`): register-only loops of the
+instructions the CPU kernels are built from (float32 FMA; int16 multiply-add pairs, what W8A8
+runs; u8 x s8 multiply-adds, llama.cpp's AVX2 dot product), so each C GEMM path is reported as
+achieved / the peak of its own instruction (`gemm_efficiency`).
 """
 from __future__ import annotations
 
@@ -46,6 +51,20 @@ def _panel_gemm() -> GemmPath | None:
     return lambda w: PanelGemm(w, None, kernels)
 
 
+def _int8_gemms() -> dict[str, GemmPath]:
+    """nanoserve's int8 GEMMs (weights quantized per channel here), where its library builds."""
+    from nanoserve.kernels import cpu_kernels
+    from nanoserve.kernels.cpu_gemm import Int8Gemm
+    from nanoserve.kernels.cpu_int8 import Int8Kernels
+
+    lib = cpu_kernels.load()
+    if lib is None or not lib.int8_gemm_supported():
+        return {}
+    kernels = Int8Kernels(lib)
+    return {INT8_W8A16: lambda w: Int8Gemm(w, None, kernels, None),
+            INT8_W8A8: lambda w: Int8Gemm(w, None, kernels, 1)}
+
+
 def _onednn_packed(dtype: torch.dtype) -> GemmPath:
     def prepare(w: torch.Tensor):
         packed = torch.ops.mkldnn._reorder_linear_weight(w.to(dtype).contiguous(), None)
@@ -53,8 +72,44 @@ def _onednn_packed(dtype: torch.dtype) -> GemmPath:
     return prepare
 
 
-def gemm_paths(dtype: torch.dtype, device: torch.device, rows: int) -> dict[str, GemmPath]:
-    """Every GEMM path worth measuring for `dtype` weights at `rows` rows on `device`."""
+PANEL = "panel bf16-weight (C)"
+INT8_W8A16 = "int8 W8A16 (C)"
+INT8_W8A8 = "int8 W8A8 (C)"
+# instruction loop (cpu_int8.c) -> what it is
+INSTRUCTIONS = {
+    "peak_loop_fma_f32": "float32 FMA (vfmadd231ps)",
+    "peak_loop_madd_i16": "int16 pairs (vpmaddwd + vpaddd)",
+    "peak_loop_maddubs_u8s8": "u8 x s8 (vpmaddubsw + vpmaddwd)",
+}
+# the C GEMM paths and the instruction each is bound by
+PATH_INSTRUCTION = {PANEL: "peak_loop_fma_f32", INT8_W8A16: "peak_loop_fma_f32", INT8_W8A8: "peak_loop_madd_i16"}
+
+
+def measure_instruction_peaks(threads: int | None = None, repeats: int = 30) -> dict[str, float]:
+    """FLOP/s (2 per multiply-add) of each instruction loop on `threads` threads (default torch's):
+    the best of `repeats` short runs, so a slice of time lost to another process does not set it.
+    Empty where the kernel library is not built with AVX2/FMA."""
+    from nanoserve.kernels import cpu_kernels
+
+    lib = cpu_kernels.load()
+    if lib is None or not lib.int8_gemm_supported():
+        return {}
+    threads = threads or torch.get_num_threads()
+    peaks = {}
+    for name in INSTRUCTIONS:
+        loop, best = getattr(lib, name), 0.0
+        loop(10_000, threads)  # wake the threads
+        for _ in range(repeats):
+            start = time.perf_counter()
+            macs = loop(200_000, threads)
+            best = max(best, 2 * macs / (time.perf_counter() - start))
+        peaks[name] = best
+    return peaks
+
+
+def gemm_paths(dtype: torch.dtype, device: torch.device, rows: int, int8: bool = False) -> dict[str, GemmPath]:
+    """Every GEMM path worth measuring for `dtype` weights at `rows` rows on `device` (with
+    `int8`, nanoserve's int8 GEMMs too)."""
     name = str(dtype).removeprefix("torch.")
     paths: dict[str, GemmPath] = {f"F.linear {name}": lambda w: (lambda x: F.linear(x, w))}
     if device.type != "cpu":
@@ -68,7 +123,9 @@ def gemm_paths(dtype: torch.dtype, device: torch.device, rows: int) -> dict[str,
             paths["oneDNN packed bfloat16"] = _onednn_packed(torch.bfloat16)
     panel = _panel_gemm() if dtype == torch.bfloat16 else None
     if panel is not None:
-        paths["panel bf16-weight (C)"] = panel
+        paths[PANEL] = panel
+    if int8:
+        paths.update(_int8_gemms())
     return paths
 
 
@@ -93,11 +150,12 @@ def _best_of_paths(paths: dict[str, GemmPath], weights: list[torch.Tensor], rows
 
 
 @torch.inference_mode()
-def measure_gemm_peak(shape: ModelShape, dtype: torch.dtype, device: torch.device, rows: int = 256) -> dict:
+def measure_gemm_peak(shape: ModelShape, dtype: torch.dtype, device: torch.device, rows: int = 256,
+                      int8: bool = False) -> dict:
     """FLOP/s of one layer's projections at `rows` tokens, per GEMM path; the peak is the best."""
     weights = [torch.randn(n, k, device=device).to(dtype) for k, n in shape.linear_shapes()]
     flops = sum(2 * rows * k * n for k, n in shape.linear_shapes())
-    per_path = _best_of_paths(gemm_paths(dtype, device, rows), weights, rows, flops, device)
+    per_path = _best_of_paths(gemm_paths(dtype, device, rows, int8), weights, rows, flops, device)
     best = max(per_path, key=per_path.get)
     return {"rows": rows, "per_path_flops": per_path, "best_path": best, "peak_flops": per_path[best]}
 
@@ -140,9 +198,32 @@ class Roofline:
         return "memory" if cost.bytes / self.bandwidth >= cost.flops / self.peak_flops else "compute"
 
 
-def measure_roofline(shape: ModelShape, dtype: torch.dtype, device: torch.device) -> tuple[Roofline, dict]:
-    """Measure both bounds now; returns the model and the figures for the report."""
-    peak = measure_gemm_peak(shape, dtype, device)
+@torch.inference_mode()
+def gemm_efficiency(shape: ModelShape, dtype: torch.dtype, device: torch.device, peaks: dict[str, float],
+                    rows_list: tuple[int, ...] = (16, 64, 256)) -> dict:
+    """Per row count and C GEMM path: FLOP/s at the model's shapes and the fraction of the peak of
+    the instruction that path is built from (PATH_INSTRUCTION)."""
+    if device.type != "cpu" or not peaks:
+        return {}
+    weights = [torch.randn(n, k).to(dtype) for k, n in shape.linear_shapes()]
+    out = {}
+    for rows in rows_list:
+        paths = {k: v for k, v in gemm_paths(dtype, device, rows, int8=True).items() if k in PATH_INSTRUCTION}
+        flops = sum(2 * rows * k * n for k, n in shape.linear_shapes())
+        per_path = _best_of_paths(paths, weights, rows, flops, device)
+        out[rows] = {name: {"flops": f, "of_peak": f / peaks[PATH_INSTRUCTION[name]]} for name, f in per_path.items()}
+    return out
+
+
+def measure_roofline(shape: ModelShape, dtype: torch.dtype, device: torch.device,
+                     int8: bool = False) -> tuple[Roofline, dict]:
+    """Measure both bounds now (with `int8`, the int8 GEMMs count for the peak); returns the model
+    and the figures for the report: also the instruction peaks and each C path's share of its own."""
+    peak = measure_gemm_peak(shape, dtype, device, int8=int8)
     bandwidth = measure_weight_bandwidth(shape, dtype, device)
     roof = Roofline(shape, dtype.itemsize, peak["peak_flops"], bandwidth["bandwidth"])
-    return roof, {"gemm_peak": peak, "weight_bandwidth": bandwidth}
+    figures = {"gemm_peak": peak, "weight_bandwidth": bandwidth}
+    if device.type == "cpu":
+        figures["instruction_peaks"] = measure_instruction_peaks()
+        figures["gemm_efficiency"] = gemm_efficiency(shape, dtype, device, figures["instruction_peaks"])
+    return roof, figures
