@@ -7,10 +7,9 @@ GEMMs (nanoserve/kernels/cpu_gemm.py), chosen once at startup:
   onednn-fp32  float32 models, and fp16 models on CPUs without fp16 math: a prepacked float32 copy
   native       F.linear in the model's dtype (fp16 models on CPUs with fp16 math)
   int8         `quantization="int8"`, any model dtype: weights quantized per output channel at load
-               (LM head included), the kernels of cpu_int8.c. W8A16 (int8 weights widened to float32
-               in registers) below W8A8_MIN_ROWS rows, W8A8 (activations quantized per token) from
-               there on; where int8 multiply-adds are no faster than float32 FMAs (AVX2 without
-               VNNI) W8A8 only adds the activations' rounding, so W8A16 runs at every row count.
+               (LM head included), the kernels of cpu_int8.c: W8A16 (int8 weights widened to float32
+               in registers, float32 math) by default; W8A8 (activations quantized per token, int16
+               multiply-adds) on request, see w8a8_min_rows for why not by default.
 Products of bf16 values are exact in float32 and every path accumulates in float32, so rounding to
 bf16 gives a bf16 GEMM's answer up to summation order.
 
@@ -22,7 +21,7 @@ Switches, read once at startup (`CPUOptions.from_env`):
   NANOSERVE_CPU_KERNELS=1|0             build and use the C kernels
   NANOSERVE_CPU_ATTENTION=auto|torch    the C attention kernels, or the torch reference
   VLLM_BATCH_INVARIANT=1                batch-invariant kernels (as LLM(batch_invariant=True))
-  NANOSERVE_CPU_INT8=auto|w8a16|w8a8    with quantization="int8": the rows rule, or one path always
+  NANOSERVE_CPU_INT8=auto|w8a16|w8a8    with quantization="int8": the default (W8A16), or one path always
 """
 from __future__ import annotations
 
@@ -48,23 +47,15 @@ QUANTIZATIONS = ("int8",)
 
 
 def w8a8_min_rows(requested: str) -> int | None:
-    """From how many rows W8A8 runs (None: never), by CPU class. vpdpbusd (AVX-VNNI, AVX512-VNNI)
-    does 4x the multiply-adds of a float32 FMA per instruction, worth quantizing activations for
-    from a few rows on; plain AVX2 does them at the float32 rate (measured by bench.py's
-    instruction peaks), so W8A16 wins there at every row count."""
-    if requested != "auto":
-        return 1 if requested == "w8a8" else None
-    flags = _cpu_flags()
-    return 16 if {"avx512_vnni", "avx_vnni"} & flags else None
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return set()
-    return set(line.partition(":")[2].split())
+    """From how many rows W8A8 runs (None: never). `auto` never picks it, on any CPU class: on
+    AVX2 without VNNI its int16 multiply-adds run at the float32 FMA rate (bench.py's instruction
+    peaks), so it only adds the activations' rounding; and where vpdpbusd (VNNI) would make it
+    faster, per-token activation quantization still loses accuracy on the outlier channels of
+    real checkpoints (bench.py --accuracy) until the activations are smoothed. NANOSERVE_CPU_INT8=
+    w8a8 runs it at every row count."""
+    if requested == "w8a8":
+        return 1
+    return None
 
 
 @dataclass(frozen=True)
