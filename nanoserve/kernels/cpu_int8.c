@@ -58,7 +58,9 @@ void pack_int8_panels(const int8_t *q, int64_t N, int64_t K, int64_t Kp, int8_t 
 }
 
 /* Per-row symmetric quantization: scale = amax / 127, q = round-half-even(x * (127 / amax)),
-   written as int16 into rows of Kp (zeros past K). A zero row gets scale 0 and q 0. */
+   written as int16 into rows of Kp (zeros past K). A zero row gets scale 0 and q 0. Rounding is
+   the conversion instructions' (MXCSR's default, round half to even, like torch.round);
+   nearbyintf would be a libm call per element, slower than the GEMM it feeds at small N. */
 void quantize_rows_int8(const float *x, int64_t M, int64_t K, int64_t Kp, int16_t *q, float *scales,
                         int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (M * K > 32768)
@@ -66,13 +68,33 @@ void quantize_rows_int8(const float *x, int64_t M, int64_t K, int64_t Kp, int16_
         const float *xr = x + m * K;
         int16_t *qr = q + m * Kp;
         float amax = 0.0f;
-#pragma omp simd reduction(max : amax)
-        for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(xr[k]));
+        int64_t k = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+        __m256 vmax = _mm256_setzero_ps();
+        for (; k + 8 <= K; k += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(xr + k), abs_mask));
+        float lanes[8];
+        _mm256_storeu_ps(lanes, vmax);
+        for (int i = 0; i < 8; i++) amax = fmaxf(amax, lanes[i]);
+#endif
+        for (; k < K; k++) amax = fmaxf(amax, fabsf(xr[k]));
         const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
         scales[m] = amax / 127.0f;
-#pragma omp simd
-        for (int64_t k = 0; k < K; k++) qr[k] = (int16_t)nearbyintf(xr[k] * inv);
-        for (int64_t k = K; k < Kp; k++) qr[k] = 0;
+        k = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        const __m256 vinv = _mm256_set1_ps(inv);
+        for (; k + 16 <= K; k += 16) {
+            const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xr + k), vinv));
+            const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xr + k + 8), vinv));
+            /* packs works per 128-bit lane: [lo0-3 hi0-3 lo4-7 hi4-7] -> reorder the 64-bit quarters */
+            const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8);
+            _mm256_storeu_si256((__m256i *)(qr + k), packed);
+        }
+        for (; k < K; k++) qr[k] = (int16_t)_mm_cvtss_si32(_mm_set_ss(xr[k] * inv));
+#else
+        for (; k < K; k++) qr[k] = (int16_t)nearbyintf(xr[k] * inv);
+#endif
+        for (k = K; k < Kp; k++) qr[k] = 0;
     }
 }
 
