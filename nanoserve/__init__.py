@@ -1,13 +1,26 @@
 """nanoserve: a small, fast offline batch LLM inference engine."""
 from nanoserve.config import Config
+from nanoserve.engine.input_processor import RequestError
 from nanoserve.inputs import TextPrompt, TokensPrompt
 from nanoserve.llm import LLM
-from nanoserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from nanoserve.engine.input_processor import RequestError
+from nanoserve.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+)
+from nanoserve.pooling.config import PoolerConfig
+from nanoserve.pooling_params import PoolingParams
 from nanoserve.sampling_params import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "Logprob", "Config",
     "TextPrompt", "TokensPrompt", "RequestError", "StructuredOutputsParams", "GuidedDecodingParams",
+    "PoolingParams", "PoolerConfig", "PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput",
+    "EmbeddingRequestOutput",
 ]
 __version__ = "0.1.0"

@@ -10,6 +10,7 @@ import torch
 from nanoserve.backends import BACKEND_NAMES as ATTENTION_BACKENDS
 from nanoserve.checkpoint import read_json
 from nanoserve.models import model_class, sliding_window
+from nanoserve.pooling.config import PoolerConfig, Pooling, resolve_pooling, resolve_runner
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +56,12 @@ class Config:
     # also turned on by vLLM's env VLLM_BATCH_INVARIANT=1.
     batch_invariant: bool = False
     quantization: str | None = None  # "int8": per-channel int8 weights quantized at load (CPU only)
+    # "generate", "pooling" (embeddings: nanoserve/pooling) or "auto" (by architecture name, as vLLM).
+    runner: str = "auto"
+    pooler_config: PoolerConfig | dict | None = None  # overrides the checkpoint's pooling (runner="pooling")
     # Read from the checkpoint in __post_init__; not meant to be passed by users.
     hf_config: dict = field(default_factory=dict, repr=False)
+    pooling: Pooling | None = field(default=None, repr=False)  # runner="pooling" only
 
     def __post_init__(self) -> None:
         self._check_model_dir()
@@ -89,10 +94,23 @@ class Config:
                 f"implement; pass max_model_len <= {window} (got {self.max_model_len}), "
                 "where full attention is the same"
             )
+        self._resolve_pooling(source)
 
     @classmethod
     def field_names(cls) -> set[str]:
-        return {f.name for f in fields(cls) if f.name not in ("model", "hf_config")}
+        return {f.name for f in fields(cls) if f.name not in ("model", "hf_config", "pooling")}
+
+    def _resolve_pooling(self, source: str) -> None:
+        """The runner, and for a pooling one how it pools (nanoserve/pooling/config.py)."""
+        self.runner = resolve_runner(self.runner, self.hf_config, source)
+        self.pooler_config = PoolerConfig.coerce(self.pooler_config)
+        if self.runner != "pooling":
+            if self.pooler_config is not None:
+                raise ValueError("pooler_config is only used with runner='pooling'")
+            return
+        if self.tensor_parallel_size > 1:
+            raise ValueError("runner='pooling' runs with tensor_parallel_size=1 only")
+        self.pooling = resolve_pooling(self.model, self.hf_config, self.pooler_config)
 
     def _check_model_dir(self) -> None:
         if not isinstance(self.model, (str, os.PathLike)):

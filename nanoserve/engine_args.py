@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from nanoserve.config import Config
+from nanoserve.pooling.config import runner_from_vllm_args
 
 logger = logging.getLogger(__name__)
 
@@ -100,9 +101,10 @@ REFUSED: dict[str, tuple[tuple, str]] = {
     ),
     "skip_tokenizer_init": ((False,), "pass token-id prompts with SamplingParams(detokenize=False) to skip text"),
     "scheduling_policy": (("fcfs",), "nanoserve schedules first come, first served"),
-    "runner": (("auto", "generate"), "nanoserve runs generative (causal LM) models only"),
-    "task": ((None, "auto", "generate"), "nanoserve runs generative (causal LM) models only"),
 }
+
+# vLLM's older names for the runner (task="embed", convert="embed"): folded into Config.runner.
+RUNNER_ALIASES = ("task", "convert")
 
 
 def is_off(value: Any, off_values: Iterable) -> bool:
@@ -124,7 +126,7 @@ def supported_names() -> set[str]:
 
 
 def valid_names() -> set[str]:
-    return supported_names() | set(NO_EFFECT) | set(REFUSED)
+    return supported_names() | set(NO_EFFECT) | set(REFUSED) | set(RUNNER_ALIASES)
 
 
 def resolve_engine_args(kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
@@ -134,7 +136,9 @@ def resolve_engine_args(kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[st
     feature, a no-effect argument with a bad value, or a knob given under both of its names.
     """
     _check_names(kwargs)
-    config_kwargs: dict[str, Any] = {}
+    kwargs = dict(kwargs)
+    runner = runner_from_vllm_args(kwargs.pop("runner", None), kwargs.pop("task", None), kwargs.pop("convert", None))
+    config_kwargs: dict[str, Any] = {} if runner is None else {"runner": runner}
     ignored: list[str] = []
     for name, value in kwargs.items():
         if name in REFUSED:

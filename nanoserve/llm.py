@@ -14,7 +14,9 @@ from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.request_stream import default_max_inflight, stream_requests
 from nanoserve.engine_args import NO_LORA, log_no_effect_once, refuse_unless_off, resolve_engine_args
 from nanoserve.inputs import PromptType, as_prompt_list
-from nanoserve.outputs import RequestOutput
+from nanoserve.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from nanoserve.pooling.api import POOLING_TASKS, params_per_prompt
+from nanoserve.pooling_params import PoolingParams
 from nanoserve.progress import ProgressBar
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.structured.openai import with_guided_options
@@ -89,6 +91,10 @@ class LLM:
             params = with_guided_options(params, guided)
         _check_priority(priority, len(prompts))
         _check_lora_list(lora_request, len(prompts))
+        return self._run(prompts, params, use_tqdm, tokenization_kwargs)
+
+    def _run(self, prompts: list, params: list, use_tqdm, tokenization_kwargs) -> list:
+        """Prepare every request (all checks before any work), then run them through the step loop."""
         prepare = self.engine.input_processor.prepare
         requests = [(i, prepare(prompt, p, i, tokenization_kwargs)) for i, (prompt, p) in enumerate(zip(prompts, params))]
         bar = ProgressBar(self.engine, len(requests), use_tqdm)
@@ -177,13 +183,67 @@ class LLM:
 
     def _params_source(self, params) -> tuple[Iterator[Any], bool]:
         """generate_stream's SamplingParams for each prompt, and whether they come one per prompt."""
-        if params is None or isinstance(params, SamplingParams):
+        if params is None or isinstance(params, (SamplingParams, PoolingParams)):
             return itertools.repeat(params or self.get_default_sampling_params()), False
         if isinstance(params, (str, bytes, dict)) or not isinstance(params, Iterable):
             raise TypeError(
                 f"sampling_params must be SamplingParams or an iterable of them (one per prompt), got {type(params).__name__}"
             )
         return iter(params), True
+
+    # ---- embeddings (runner="pooling"): the same request path, PoolingParams in, vectors out ----
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool | Callable[..., tqdm] = True,
+        truncate_prompt_tokens: int | None = None,
+        lora_request: Any = None,
+        *,
+        tokenization_kwargs: dict[str, Any] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in input order (`.outputs.embedding`: a list of floats).
+
+        Needs `LLM(model, runner="pooling")`. Prompts in every form `generate` takes.
+        `truncate_prompt_tokens=k` keeps each prompt's last k tokens (-1: max_model_len).
+        """
+        outputs = self.encode(prompts, pooling_params, use_tqdm, truncate_prompt_tokens, lora_request,
+                              tokenization_kwargs=tokenization_kwargs)
+        return [EmbeddingRequestOutput.from_base(out) for out in outputs]
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool | Callable[..., tqdm] = True,
+        truncate_prompt_tokens: int | None = None,
+        lora_request: Any = None,
+        pooling_task: str | None = None,
+        *,
+        tokenization_kwargs: dict[str, Any] | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """Like `embed`, each result's `.outputs.data` a float32 tensor; pooling_task "embed" (or None)."""
+        if pooling_task not in (None, *POOLING_TASKS):
+            raise ValueError(f"pooling_task must be one of {POOLING_TASKS} (or None), got {pooling_task!r}")
+        refuse_unless_off("encode()", "lora_request", lora_request, (None,), NO_LORA)
+        prompts = as_prompt_list(prompts)
+        params = params_per_prompt(pooling_params, len(prompts), truncate_prompt_tokens)
+        return self._run(prompts, params, use_tqdm, tokenization_kwargs)
+
+    def embed_stream(
+        self,
+        prompts: Iterable[PromptType],
+        pooling_params: PoolingParams | None = None,
+        *,
+        max_inflight: int | None = None,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> Iterator[tuple[int, EmbeddingRequestOutput | RequestError]]:
+        """`embed` for inputs too large for memory: yields `(index, EmbeddingRequestOutput)` as each
+        finishes, reading `prompts` lazily, like `generate_stream` (a bad prompt yields a RequestError)."""
+        (params,) = params_per_prompt(pooling_params, 1, truncate_prompt_tokens)
+        return _as_embeddings(self.generate_stream(prompts, params, max_inflight=max_inflight, use_tqdm=use_tqdm))
 
     # ---- chat and cache ----------------------------------------------------------------------
 
@@ -264,3 +324,12 @@ def _check_lora_list(lora_request: Any, num_prompts: int) -> None:
         raise ValueError(f"got {len(lora_request)} lora_request entries for {num_prompts} prompts")
     for r in lora_request:
         refuse_unless_off("generate()", "lora_request", r, (None,), NO_LORA)
+
+
+def _as_embeddings(results: Iterator) -> Iterator:
+    """embed_stream's results; closing it closes the stream (which aborts what is in flight)."""
+    try:
+        for i, out in results:
+            yield i, out if isinstance(out, RequestError) else EmbeddingRequestOutput.from_base(out)
+    finally:
+        results.close()

@@ -95,3 +95,69 @@ class RequestOutput:
             f"prompt_token_ids={short_list(self.prompt_token_ids)}, {prompt_logprobs}outputs={self.outputs!r}, "
             f"num_cached_tokens={self.num_cached_tokens}, finished={self.finished})"
         )
+
+
+# ---- pooling (runner="pooling": LLM.encode / LLM.embed), vLLM's classes ------------------------
+
+
+@dataclass
+class PoolingOutput:
+    data: "torch.Tensor"  # noqa: F821 -- the pooled vector, float32 [dimensions or hidden_size]
+
+    def __repr__(self) -> str:
+        return f"PoolingOutput(data=<tensor of shape {list(self.data.shape)}>)"
+
+
+@dataclass
+class PoolingRequestOutput:
+    """One prompt's pooled result (LLM.encode); `outputs.data` is a float32 tensor."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+    finished: bool = True
+    prompt: str | None = None
+    metrics: RequestMetrics | None = field(default=None, repr=False)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(request_id={self.request_id!r}, outputs={self.outputs!r}, "
+            f"prompt_token_ids={short_list(self.prompt_token_ids)}, num_cached_tokens={self.num_cached_tokens}, "
+            f"finished={self.finished})"
+        )
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @staticmethod
+    def from_base(pooling_output: PoolingOutput) -> EmbeddingOutput:
+        return EmbeddingOutput(pooling_output.data.tolist())
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+    def __repr__(self) -> str:
+        return f"EmbeddingOutput(embedding={short_list(self.embedding, 'values')})"
+
+
+@dataclass(repr=False)
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    """One prompt's embedding (LLM.embed): `outputs.embedding` is a list of floats."""
+
+    outputs: EmbeddingOutput
+
+    @staticmethod
+    def from_base(request_output: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return EmbeddingRequestOutput(
+            request_id=request_output.request_id,
+            outputs=EmbeddingOutput.from_base(request_output.outputs),
+            prompt_token_ids=request_output.prompt_token_ids,
+            num_cached_tokens=request_output.num_cached_tokens,
+            finished=request_output.finished,
+            prompt=request_output.prompt,
+            metrics=request_output.metrics,
+        )

@@ -13,6 +13,8 @@ from typing import Any, NamedTuple
 from nanoserve.config import Config
 from nanoserve.inputs import parse_prompt
 from nanoserve.sampling import SamplingSpec
+from nanoserve.engine.pooling_requests import PoolingSpec, validate_pooling_request
+from nanoserve.pooling_params import PoolingParams
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.structured.manager import StructuredOutputManager
 
@@ -39,8 +41,8 @@ class EngineRequest(NamedTuple):
     """A validated, tokenized request, ready for `LLMEngine.add_request`."""
 
     prompt_token_ids: list[int]
-    params: SamplingParams
-    spec: SamplingSpec
+    params: SamplingParams | PoolingParams
+    spec: SamplingSpec | PoolingSpec
     prompt: str | None = None
 
 
@@ -69,6 +71,11 @@ class InputProcessor:
     ) -> EngineRequest:
         """Parse, tokenize and validate prompt number `index`; ValueError / TypeError naming the field."""
         text, token_ids = self.tokenize(prompt, index, tokenization_kwargs)
+        if isinstance(params, PoolingParams) or self.config.runner == "pooling":  # embeddings
+            if text == "":  # the tokenizer's own special tokens alone would embed nothing of the user's
+                raise ValueError("prompt is empty: a prompt needs at least one token")
+            spec = validate_pooling_request(token_ids, params, self.config, self.vocab_size)
+            return EngineRequest(spec.prompt_token_ids, params, spec, text)  # ids after truncate_prompt_tokens
         return EngineRequest(token_ids, params, self.validate(token_ids, params), text)
 
     def tokenize(self, prompt: Any, index: int = 0,

@@ -20,6 +20,7 @@ from nanoserve.engine.scheduler import ScheduledBatch, Scheduler
 from nanoserve.engine.sequence import Sequence
 from nanoserve.inputs import PromptType
 from nanoserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from nanoserve.engine.pooling_requests import PoolingSpec, finish_pooling_request, make_pooling_request
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.structured.manager import StructuredOutputManager
 
@@ -73,7 +74,9 @@ class LLMEngine:
         self.model_runner = self._make_runner()
         self.kv_spec = self.model_runner.kv_spec  # block size and count, decided once (kv_cache_spec.py)
         self.num_kvcache_blocks, self.block_size = self.kv_spec.num_blocks, self.kv_spec.block_size
-        self.block_manager = BlockManager(self.num_kvcache_blocks, self.block_size, config.enable_prefix_caching)
+        # Mean and CLS pooling read every prompt position, which a prefix-cache hit skips.
+        prefix_caching = config.enable_prefix_caching and (config.pooling is None or config.pooling.uses_prefix_cache)
+        self.block_manager = BlockManager(self.num_kvcache_blocks, self.block_size, prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill
         )
@@ -115,6 +118,12 @@ class LLMEngine:
         prompt_token_ids, params, spec, prompt = request
         request_id = str(self._next_request_id)
         self._next_request_id += 1
+        if isinstance(spec, PoolingSpec):  # an embedding request: one prefill-only sequence
+            request = make_pooling_request(request_id, self._next_seq_id, prompt, params, spec)
+            self._next_seq_id += 1
+            self.requests[request_id] = request
+            self.scheduler.add(request.seqs[0])
+            return request_id
         limit = max(self.config.max_model_len, len(prompt_token_ids) + 1)
         max_total = limit if params.max_tokens is None else min(len(prompt_token_ids) + params.max_tokens, limit)
         seqs = []
@@ -172,9 +181,14 @@ class LLMEngine:
             raise
         for chunk in out.prompt_logprobs:
             self.requests[batch.seqs[chunk.batch_index].request_id].prompt_logprobs.record(chunk)
-        got_token = self.scheduler.postprocess(batch, out.token_ids)
         now = time.perf_counter()
         stats = StepStats(*self._count_tokens(batch), entries=entries)
+        if out.pooled is not None:  # pooling requests finish the step their prompt completes
+            done = self.scheduler.postprocess_prefill_only(batch)
+            stats.finished = [finish_pooling_request(self.requests.pop(seq.request_id), vec, now)
+                              for seq, vec in zip(done, out.pooled)]
+            return stats
+        got_token = self.scheduler.postprocess(batch, out.token_ids)
         for i, seq in enumerate(got_token):
             request = self.requests[seq.request_id]
             if request.metrics.first_token_time is None:
@@ -287,6 +301,9 @@ class LLMEngine:
 
     def abort_all(self) -> None:
         self.scheduler.abort_all()
+        pooler = getattr(self.model_runner, "pooler", None)  # runner="pooling" only (never tensor-parallel)
+        if pooler is not None:
+            pooler.reset()
         self.requests.clear()
 
     def abort_request(self, request_ids: str | list[str]) -> None:

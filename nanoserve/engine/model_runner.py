@@ -26,8 +26,10 @@ from nanoserve.engine.scheduler import ScheduledBatch
 from nanoserve.engine.sequence import Sequence
 from nanoserve.layers.attention import Attention
 from nanoserve.layers.context import ModelContext
+from nanoserve.layers.pooler import Pooler
 from nanoserve.models import head_dim_of, model_class
 from nanoserve.models.loader import load_weights, prepare_weights
+from nanoserve.pooling.model import embedding_model_class
 from nanoserve.sampling import Sampler, SamplingMetadata, SamplingRow
 from nanoserve.sampling.prompt_scores import score_tokens
 
@@ -40,6 +42,7 @@ class StepOutput:
     logprobs: list[float] | None
     top_logprobs: list[dict[int, float]] | None
     prompt_logprobs: list[PromptLogprobsChunk] = field(default_factory=list)  # sequences scoring their prompt
+    pooled: torch.Tensor | None = None  # runner="pooling": [num_completing, hidden] float32, in batch order
 
 
 def resolve_device(device: str) -> torch.device:
@@ -67,6 +70,7 @@ class ModelRunner:
         )
         self.kv_spec = KVCacheSpec(config.kvcache_block_size or self.backend.preferred_block_size, config.max_model_len)
         self.sampler = Sampler()
+        self.pooler = Pooler(config.pooling.pooling_type) if config.pooling is not None else None
         self.kv_cache = torch.empty(0)
         self._cuda_graphs = None  # decode CUDA graphs (cuda_graph.py), captured once the KV cache exists
         self.tp = tp or TPGroup()
@@ -100,7 +104,10 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model = model_class(cfg)(cfg, ctx)
+                cls = model_class(cfg)
+                if self.config.pooling is not None:
+                    cls = embedding_model_class(cls)  # hidden states out, no LM head
+                model = cls(cfg, ctx)
         finally:
             torch.set_default_dtype(default_dtype)
         load_weights(model, self.config.model)
@@ -252,7 +259,21 @@ class ModelRunner:
         return StepOutput(token_ids, out.logprobs.tolist(), top)
 
     def run(self, batch: ScheduledBatch) -> StepOutput:
+        if self.pooler is not None:
+            return self.pool(batch)
         return self.sample(batch, self.execute(self.prepare_inputs(batch)))
+
+    @torch.inference_mode()
+    def pool(self, batch: ScheduledBatch) -> StepOutput:
+        """runner="pooling": the decoder's hidden states, pooled for each prompt the step completes."""
+        if self.model is None:
+            raise RuntimeError("this LLM is closed")
+        inputs = to_device(self.prepare_inputs(batch), self.device)
+        hidden = self.forward(inputs.input_ids, inputs.positions, inputs.meta)  # [num_tokens, hidden]
+        seqs = batch.seqs
+        pooled = self.pooler(hidden, [s.seq_id for s in seqs], [s.num_computed_tokens for s in seqs],
+                             batch.num_new_tokens, batch.samples)
+        return StepOutput([], None, None, pooled=pooled)
 
 
 def run_model(model: torch.nn.Module, backend, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:

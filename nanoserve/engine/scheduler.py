@@ -146,6 +146,19 @@ class Scheduler:
                     self._fork_children(seq)
         return got_token
 
+    def postprocess_prefill_only(self, batch: ScheduledBatch) -> list[Sequence]:
+        """The step of prefill-only (pooling) sequences ran: commit its blocks, advance computed
+        counts, finish every sequence whose prompt is now complete (freeing its blocks; the
+        prefix cache keeps what it holds) and return those, in batch order."""
+        self.block_manager.commit()
+        done = []
+        for seq, n, completes in zip(batch.seqs, batch.num_new_tokens, batch.samples):
+            seq.num_computed_tokens += n
+            if completes:
+                self.finish(seq)
+                done.append(seq)
+        return done
+
     def _fork_children(self, parent: Sequence) -> None:
         """Start a request's other n-1 samples on the parent's prompt blocks."""
         at = self.running.index(parent) + 1

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 
+from nanoserve.entrypoints.openai_embeddings import EMBEDDINGS_URL, EmbeddingLine, build_embedding_requests
 from nanoserve.llm import LLM
 from nanoserve.chat import render_conversations
 from nanoserve.sampling_params import SamplingParams
@@ -83,18 +84,24 @@ class RequestBuilder:
         self.max_model_len = llm.config.max_model_len
         self.defaults = llm.engine.default_sampling_params()
 
-    def build(self, record: dict) -> EngineRequest:
-        """Raises ValueError / TypeError (HTTP 400) or ModelNotFoundError (404) naming the field."""
+    def build(self, record: dict) -> EngineRequest | EmbeddingLine:
+        """Raises ValueError / TypeError (HTTP 400) or ModelNotFoundError (404) naming the field.
+        An embeddings line gives one request per input (nanoserve/entrypoints/openai_embeddings.py)."""
         method, url, body = record.get("method"), record.get("url"), record.get("body")
         if method != "POST":
             raise ValueError(f"method must be 'POST', got {method!r}")
-        if url not in URLS:
-            raise ValueError(f"URL {url!r} was used. Supported endpoints: {', '.join(URLS)}")
+        # One runner per engine: an embedding model serves /v1/embeddings only, a generative one the rest.
+        urls = (EMBEDDINGS_URL,) if self.llm.config.runner == "pooling" else URLS
+        if url not in urls:
+            raise ValueError(f"URL {url!r} was used. Supported endpoints of this {self.llm.config.runner!r} "
+                             f"runner: {', '.join(urls)}")
         if not isinstance(body, dict):
             raise TypeError(f"body must be a JSON object, got {type(body).__name__}")
         model = body.get("model")
         if model is not None and model not in self.model_names:
             raise ModelNotFoundError(f"The model `{model}` does not exist. This run serves `{self.model}`.")
+        if url == EMBEDDINGS_URL:
+            return build_embedding_requests(self.llm, body)
         for field, asks_nothing in _UNSUPPORTED.items():
             if body.get(field) is not None and not asks_nothing(body[field]):
                 raise ValueError(f"`{field}` is not supported by nanoserve run-batch (got {body[field]!r})")

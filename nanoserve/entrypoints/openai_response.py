@@ -13,8 +13,9 @@ import time
 import uuid
 
 from nanoserve.entrypoints.openai_request import CHAT_URL, ModelNotFoundError
-from nanoserve.outputs import CompletionOutput, Logprob, RequestOutput
 from nanoserve.engine.input_processor import RequestError
+from nanoserve.entrypoints.openai_embeddings import embeddings_body
+from nanoserve.outputs import CompletionOutput, Logprob, PoolingRequestOutput, RequestOutput
 
 # vLLM's floor for -inf logprobs, which JSON cannot carry.
 _MIN_LOGPROB = -9999.0
@@ -30,6 +31,16 @@ def result_record(custom_id: str, url: str, out: RequestOutput, model: str, toke
         "id": f"nanoserve-{_uid()}",
         "custom_id": custom_id,
         "response": {"status_code": 200, "request_id": f"nanoserve-batch-{_uid()}", "body": body},
+        "error": None,
+    }
+
+
+def embeddings_record(custom_id: str, outs: list[PoolingRequestOutput], model: str, encoding_format: str) -> dict:
+    return {
+        "id": f"nanoserve-{_uid()}",
+        "custom_id": custom_id,
+        "response": {"status_code": 200, "request_id": f"nanoserve-batch-{_uid()}",
+                     "body": embeddings_body(outs, model, encoding_format)},
         "error": None,
     }
 

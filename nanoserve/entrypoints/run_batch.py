@@ -18,8 +18,9 @@ from typing import NamedTuple
 from tqdm.auto import tqdm
 
 from nanoserve.entrypoints.batch_output import FinishedWork, OutputWriter, scan_output
+from nanoserve.entrypoints.openai_embeddings import EmbeddingLine, LineParts
 from nanoserve.entrypoints.openai_request import BatchLineError, ModelNotFoundError, RequestBuilder, parse_line
-from nanoserve.entrypoints.openai_response import error_record, result_record
+from nanoserve.entrypoints.openai_response import embeddings_record, error_record, result_record
 from nanoserve.llm import LLM
 from nanoserve.engine.input_processor import EngineRequest, RequestError
 from nanoserve.engine.request_stream import default_max_inflight, stream_requests
@@ -34,6 +35,10 @@ class LineKey(NamedTuple):
     custom_id: str | None  # None: the line is answered by its number (no custom_id of its own)
     url: str | None
     echo: bool = False  # completions: the prompt comes back before the completion (text and logprobs)
+    # An embeddings line with several inputs runs as several requests, answered in one record.
+    part: int = 0
+    num_parts: int = 1
+    encoding_format: str | None = None
 
 
 class StopOnSignal:
@@ -110,10 +115,16 @@ def _run(llm, input_file, output_file, model, done, total, max_inflight, progres
         try:
             items = _requests(input_file, done, builder, stop)
             window = max_inflight or default_max_inflight(llm.config.max_num_seqs)
+            parts = LineParts()
             for key, result in stream_requests(llm.engine, items, window, on_step):
                 if isinstance(result, RequestError):
                     writer.write(error_record(key.custom_id, key.line, result))
                     num_failed += 1
+                elif key.encoding_format is not None:  # an embeddings line: written once all its inputs are
+                    outs = parts.add(key.line, key.part, key.num_parts, result)
+                    if outs is None:
+                        continue
+                    writer.write(embeddings_record(key.custom_id, outs, model, key.encoding_format))
                 else:
                     writer.write(result_record(key.custom_id, key.url, result, model, llm.tokenizer, key.echo))
                 bar.update(1)
@@ -156,7 +167,13 @@ def _requests(
             request = RequestError(str(e), type(e))
         body = record.get("body")
         echo = isinstance(body, dict) and body.get("echo") is True
-        yield LineKey(line, custom_id, record.get("url"), echo), request
+        key = LineKey(line, custom_id, record.get("url"), echo)
+        if isinstance(request, EmbeddingLine):
+            n = len(request.requests)
+            for i, part in enumerate(request.requests):
+                yield key._replace(part=i, num_parts=n, encoding_format=request.encoding_format), part
+        else:
+            yield key, request
 
 
 def _lines(path: str) -> Iterator[tuple[int, bytes]]:

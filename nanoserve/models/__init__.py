@@ -17,6 +17,12 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    # Base models (HF's AutoModel, e.g. e5-mistral's MistralModel): the same decoder without an
+    # LM head, which only runner="pooling" runs (nanoserve/pooling/model.py).
+    "LlamaModel": ("llama", "LlamaForCausalLM"),
+    "MistralModel": ("mistral", "MistralForCausalLM"),
+    "Qwen2Model": ("qwen2", "Qwen2ForCausalLM"),
+    "Qwen3Model": ("qwen3", "Qwen3ForCausalLM"),
 }
 
 SUPPORTED_ARCHITECTURES = tuple(MODEL_REGISTRY)

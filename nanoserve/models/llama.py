@@ -112,6 +112,7 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
     qk_norm = False  # per-head RMSNorm of q and k before RoPE
+    has_lm_head = True  # False for runner="pooling", which returns hidden states
     # config.json fields read as shapes, each a positive int: the ones that must be there, then
     # the ones with a default (num_attention_heads, hidden_size / num_attention_heads, 4096).
     required_fields = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")
@@ -189,8 +190,10 @@ class LlamaForCausalLM(nn.Module):
             for i in range(cfg["num_hidden_layers"])
         ]
         self.model = LlamaModel(cfg, layers, ctx)
-        self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"], ctx)
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
+        if not self.has_lm_head:  # an embedding model (nanoserve/pooling/model.py): never built, never packed
+            return
+        self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"], ctx)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -60,6 +60,8 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
         if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue
         target, shard_id = model.checkpoint_name_to_param(name)
+        if target is None:  # a tensor this model does not use (an embedding model's LM head)
+            continue
         if target not in params:
             raise ValueError(f"{path}: tensor {name!r} has no matching parameter ({target!r}) in the model")
         param = params[target]

@@ -1,0 +1,216 @@
+"""Which runner an engine is (generate or pooling) and how a pooling checkpoint pools.
+
+Read as vLLM and sentence-transformers read them: the runner from `runner=` (or vLLM's older
+`task=` / `convert=`), "auto" deciding by the architecture name; the pooling from the
+checkpoint's sentence-transformers files (`modules.json` -> its Pooling module's
+`config.json`, a `Normalize` module), which `LLM(pooler_config=...)` may override.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from nanoserve.checkpoint import read_json
+
+RUNNERS = ("auto", "generate", "pooling")
+# vLLM's older spellings of a runner: task= and convert= values -> runner.
+TASK_TO_RUNNER = {"auto": "auto", "generate": "generate", "embed": "pooling", "embedding": "pooling"}
+CONVERT_TO_RUNNER = {"auto": "auto", "none": "auto", "embed": "pooling"}
+# vLLM's defaults by architecture-name suffix (first match wins): "*ForCausalLM" generates,
+# "*Model" (e.g. Qwen3Model, MistralModel, *EmbeddingModel) is a base model and pools.
+_SUFFIX_TO_RUNNER = (("ForCausalLM", "generate"), ("Model", "pooling"))
+
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+# sentence-transformers' pooling modes -> ours (the others are refused by name).
+_ST_MODES = {"lasttoken": "LAST", "mean": "MEAN", "cls": "CLS"}
+_ST_LEGACY_KEYS = {
+    "pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max", "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens": "weightedmean", "pooling_mode_lasttoken": "lasttoken",
+}
+# A decoder checkpoint with no sentence-transformers files pools like vLLM's embedding
+# conversion of it: the last token, normalised.
+DEFAULT_POOLING_TYPE = "LAST"
+DEFAULT_NORMALIZE = True
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """vLLM's PoolerConfig (the fields nanoserve implements); None = the checkpoint's choice.
+
+    pooling_type: "LAST" (last token), "MEAN" (mean over the prompt) or "CLS" (first token).
+    normalize: unit-length vectors unless a request's PoolingParams says otherwise
+    (`use_activation` is vLLM's newer name).
+    """
+
+    pooling_type: str | None = None
+    normalize: bool | None = None
+    use_activation: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.pooling_type is not None and (
+            not isinstance(self.pooling_type, str) or self.pooling_type.upper() not in POOLING_TYPES
+        ):
+            raise ValueError(f"pooler_config.pooling_type must be one of {POOLING_TYPES}, got {self.pooling_type!r}")
+        if self.pooling_type is not None:
+            object.__setattr__(self, "pooling_type", self.pooling_type.upper())
+        for name in ("normalize", "use_activation"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise TypeError(f"pooler_config.{name} must be None or a bool, got {value!r}")
+
+    @classmethod
+    def coerce(cls, value) -> PoolerConfig | None:
+        """LLM(pooler_config=...) takes a PoolerConfig, a dict of its fields, or None."""
+        if value is None or isinstance(value, PoolerConfig):
+            return value
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - {"pooling_type", "normalize", "use_activation"})
+            if unknown:
+                raise ValueError(f"pooler_config keys {unknown} are not supported; nanoserve takes "
+                                 "pooling_type, normalize (or use_activation)")
+            return cls(**value)
+        raise TypeError(f"pooler_config must be a PoolerConfig, a dict or None, got {type(value).__name__}")
+
+    @property
+    def wants_normalize(self) -> bool | None:
+        return self.use_activation if self.use_activation is not None else self.normalize
+
+
+@dataclass(frozen=True)
+class Pooling:
+    """The resolved pooling of a pooling engine: what its runner pools and how it post-processes."""
+
+    pooling_type: str  # one of POOLING_TYPES
+    normalize: bool
+    hidden_size: int
+    matryoshka_dimensions: tuple[int, ...] | None  # None: no Matryoshka; () any size up to hidden_size
+
+    @property
+    def uses_prefix_cache(self) -> bool:
+        """Only last-token pooling can skip cached prompt positions: mean and CLS need the hidden
+        states of every position (CLS: the first), which a prefix-cache hit never computes."""
+        return self.pooling_type == "LAST"
+
+
+# ---- the runner ------------------------------------------------------------------------------
+
+
+def runner_from_vllm_args(runner, task, convert) -> str | None:
+    """One runner name from vLLM's three ways to ask for it; None when none was given."""
+    asked: dict[str, str] = {}
+    for name, value, table in (("task", task, TASK_TO_RUNNER), ("convert", convert, CONVERT_TO_RUNNER)):
+        if value is None:
+            continue
+        if value not in table:
+            raise ValueError(f"LLM(): {name}={value!r} is not supported; nanoserve takes {name} in {tuple(table)}")
+        asked[name] = table[value]
+    if runner is not None:
+        asked["runner"] = runner
+    chosen = {v for v in asked.values() if v != "auto"}
+    if len(chosen) > 1:
+        given = ", ".join(f"{k}={v!r}" for k, v in asked.items())
+        raise ValueError(f"LLM(): {given} ask for different runners; pass one")
+    return chosen.pop() if chosen else ("auto" if asked else None)
+
+
+def resolve_runner(runner: str, hf_config: dict, source: str) -> str:
+    """"generate" or "pooling" for this checkpoint; refuses what would run wrong."""
+    if runner not in RUNNERS:
+        raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
+    arch = hf_config["architectures"][0]
+    by_name = next((r for suffix, r in _SUFFIX_TO_RUNNER if arch.endswith(suffix)), "generate")
+    if runner == "auto":
+        runner = by_name
+    if hf_config.get("is_causal") is False:
+        raise ValueError(
+            f"{source} sets is_causal: false: the model was trained with bidirectional attention (like "
+            "gte-Qwen2-instruct), and nanoserve's attention is causal only, so it would embed it wrong"
+        )
+    if runner == "generate" and by_name == "pooling":
+        raise ValueError(
+            f"{source}: architecture {arch!r} is a base model without an LM head, so it cannot generate; "
+            "use LLM(model, runner='pooling') and llm.embed()"
+        )
+    return runner
+
+
+# ---- the pooling -----------------------------------------------------------------------------
+
+
+def resolve_pooling(model_dir: str, hf_config: dict, override: PoolerConfig | None) -> Pooling:
+    """The checkpoint's pooling (sentence-transformers files, else vLLM's default), then the override."""
+    overridden = override is not None and override.pooling_type is not None
+    pooling_type, normalize = read_sentence_transformers_pooling(model_dir, read_pooling_type=not overridden)
+    if override is not None:
+        pooling_type = override.pooling_type or pooling_type
+        if override.wants_normalize is not None:
+            normalize = override.wants_normalize
+    return Pooling(
+        pooling_type=pooling_type or DEFAULT_POOLING_TYPE,
+        normalize=DEFAULT_NORMALIZE if normalize is None else normalize,
+        hidden_size=int(hf_config["hidden_size"]),
+        matryoshka_dimensions=matryoshka_dimensions(hf_config),
+    )
+
+
+def matryoshka_dimensions(hf_config: dict) -> tuple[int, ...] | None:
+    """vLLM's rule: config.json `matryoshka_dimensions` (the sizes allowed) or `is_matryoshka` (any)."""
+    dims = hf_config.get("matryoshka_dimensions")
+    if dims:
+        return tuple(int(d) for d in dims)
+    return () if hf_config.get("is_matryoshka") else None
+
+
+def read_sentence_transformers_pooling(
+    model_dir: str, read_pooling_type: bool = True
+) -> tuple[str | None, bool | None]:
+    """(pooling type, normalize) from modules.json; (None, None) when the checkpoint has none.
+    read_pooling_type=False: the user chose it (pooler_config), so the Pooling module is not read."""
+    path = os.path.join(model_dir, "modules.json")
+    if not os.path.isfile(path):
+        return None, None
+    try:
+        with open(path, encoding="utf-8") as f:
+            modules = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: cannot be read as JSON ({e})") from None
+    if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
+        raise ValueError(f"{path}: must hold a list of modules, found {type(modules).__name__}")
+    pooling_type, normalize = None, False
+    for module in modules:
+        kind = str(module.get("type", "")).rsplit(".", 1)[-1]
+        if kind == "Transformer" or (kind == "Pooling" and not read_pooling_type):
+            continue
+        if kind == "Pooling" and read_pooling_type:
+            pooling_type = _read_pooling_module(os.path.join(model_dir, str(module.get("path", ""))))
+        elif kind == "Normalize":
+            normalize = True
+        else:
+            raise ValueError(
+                f"{path}: module {module.get('type')!r} is not supported; nanoserve embeds with "
+                "Transformer -> Pooling (-> Normalize) only"
+            )
+    return pooling_type, normalize
+
+
+def _read_pooling_module(module_dir: str) -> str:
+    path = os.path.join(module_dir, "config.json")
+    cfg = read_json(path)
+    mode = cfg.get("pooling_mode")
+    if mode is None:  # the older format: one boolean per mode
+        modes = [m for key, m in _ST_LEGACY_KEYS.items() if cfg.get(key)]
+        mode = modes if len(modes) != 1 else modes[0]
+        if not modes:
+            mode = "mean"  # sentence-transformers' default
+    if isinstance(mode, list) and len(mode) == 1:
+        mode = mode[0]
+    if not isinstance(mode, str) or mode not in _ST_MODES:
+        raise ValueError(
+            f"{path}: pooling mode {mode!r} is not supported; nanoserve pools with one of "
+            f"{tuple(_ST_MODES)}"
+        )
+    if cfg.get("include_prompt") is False and mode != "lasttoken":
+        raise ValueError(f"{path}: include_prompt: false (pooling without the instruction) is not supported")
+    return _ST_MODES[mode]

@@ -1,0 +1,282 @@
+"""Embeddings (runner="pooling"): vectors vs sentence-transformers on the same tiny checkpoint,
+Matryoshka, truncation, errors before work, prefix-cache hits, run-batch /v1/embeddings."""
+from __future__ import annotations
+
+import base64
+import json
+import struct
+
+import numpy as np
+import pytest
+import torch
+from helpers import assert_no_leak, make_llm
+
+from nanoserve import LLM, PoolingParams, RequestError, SamplingParams
+from nanoserve.cli import main
+from nanoserve.utils.tiny_embedding import build_tiny_embedding_checkpoint
+
+# Docs of varied lengths (after tokenization about 5 to 300 tokens); with max_num_batched_tokens=64
+# the long ones are prefilled in chunks over several steps, packed beside short ones.
+DOCS = [
+    "hello world",
+    "the quick brown fox jumps over the lazy dog " * 8,
+    "x",
+    "def add(a, b):\n    return a + b\n" * 20,
+    "Instruct: Given a web search query, retrieve relevant passages\nQuery: what is a paged KV cache?",
+    "once upon a time " * 40,
+]
+INSTRUCTION = "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery: "
+QUERIES = [INSTRUCTION + q for q in ("paged attention", "prefix caching in vLLM", "what is a tokenizer", "rope")]
+POOLING = {"device": "cpu", "dtype": "float32", "kvcache_block_size": 8, "num_kvcache_blocks": 256,
+           "max_model_len": 512, "max_num_batched_tokens": 64, "runner": "pooling"}
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("embedding_models")
+    return {
+        # Qwen3-Embedding's layout: base model (no `model.` prefix, no LM head), last token, normalised.
+        "last": build_tiny_embedding_checkpoint(root / "last", seed=3),
+        # A causal-LM layout with an untied LM head in the file; mean pooling, no Normalize, no Matryoshka.
+        "mean": build_tiny_embedding_checkpoint(root / "mean", seed=4, pooling_mode="mean", normalize=False,
+                                                base_model=False, matryoshka=False, tie_word_embeddings=False),
+        "cls": build_tiny_embedding_checkpoint(root / "cls", seed=5, pooling_mode="cls", matryoshka=[16, 32]),
+    }
+
+
+@pytest.fixture(scope="module")
+def llm(ckpts) -> LLM:
+    return LLM(ckpts["last"], **POOLING)
+
+
+def st_encode(path: str, texts: list[str]) -> np.ndarray:
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(path, device="cpu")
+    return model.encode(texts, batch_size=4, convert_to_numpy=True)
+
+
+def cosine(a, b) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+# ---- against sentence-transformers -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["last", "mean", "cls"])
+def test_vectors_match_sentence_transformers(ckpts, kind):
+    llm = LLM(ckpts[kind], **POOLING) if kind != "last" else None
+    try:
+        llm = llm or LLM(ckpts[kind], **POOLING)
+        outs = llm.embed(DOCS, use_tqdm=False)
+        ref = st_encode(ckpts[kind], DOCS)
+        tokenizer = llm.get_tokenizer()
+        for doc, out, expected in zip(DOCS, outs, ref):
+            assert out.prompt_token_ids == tokenizer(doc)["input_ids"]  # with the appended end-of-text
+            assert out.outputs.hidden_size == expected.shape[0]
+            assert cosine(out.outputs.embedding, expected) >= 0.9999
+            if kind == "mean":  # no Normalize module: the raw mean, length included
+                np.testing.assert_allclose(out.outputs.embedding, expected, rtol=1e-4, atol=1e-4)
+            else:
+                assert abs(np.linalg.norm(out.outputs.embedding) - 1) < 1e-5
+        # Mean and CLS read every position: their engines take no prefix-cache hits.
+        assert llm.engine.block_manager.enable_prefix_caching == (kind == "last")
+        assert_no_leak(llm)
+    finally:
+        llm.close()
+
+
+def test_no_lm_head_is_built(llm, ckpts):
+    model = llm.engine.model_runner.model
+    assert not hasattr(model, "lm_head")
+    assert not any("lm_head" in name for name, _ in model.named_parameters())
+    with LLM(ckpts["mean"], **POOLING) as untied:  # its file holds lm_head.weight: skipped, not loaded
+        assert not hasattr(untied.engine.model_runner.model, "lm_head")
+
+
+def test_encode_gives_the_same_vectors_as_a_tensor(llm):
+    embedded = llm.embed(DOCS[:2], use_tqdm=False)
+    encoded = llm.encode(DOCS[:2], use_tqdm=False, pooling_task="embed")
+    for e, p in zip(embedded, encoded):
+        assert p.outputs.data.dtype == torch.float32
+        np.testing.assert_allclose(p.outputs.data.tolist(), e.outputs.embedding, atol=1e-6)  # 2nd run hits the cache
+    with pytest.raises(ValueError, match="pooling_task"):
+        llm.encode(DOCS[:1], pooling_task="classify")
+
+
+def test_prompt_forms_and_order(llm):
+    ids = llm.get_tokenizer().encode(DOCS[1])
+    outs = llm.embed([{"prompt": DOCS[1]}, ids, {"prompt_token_ids": ids}, DOCS[1]], use_tqdm=False)
+    assert [o.request_id for o in outs] == sorted((o.request_id for o in outs), key=int)
+    for out in outs[1:]:
+        np.testing.assert_allclose(out.outputs.embedding, outs[0].outputs.embedding, atol=1e-6)
+
+
+# ---- Matryoshka, normalisation, truncation ---------------------------------------------------
+
+
+def test_matryoshka_cuts_then_renormalises(llm):
+    raw = llm.encode(DOCS[:3], PoolingParams(use_activation=False), use_tqdm=False)
+    cut = llm.embed(DOCS[:3], PoolingParams(dimensions=16), use_tqdm=False)
+    for r, c in zip(raw, cut):
+        assert c.outputs.hidden_size == 16
+        expected = torch.nn.functional.normalize(r.outputs.data[:16], dim=-1)
+        np.testing.assert_allclose(c.outputs.embedding, expected.tolist(), atol=1e-6)
+    old_name = llm.embed(DOCS[:1], PoolingParams(normalize=False), use_tqdm=False)[0]
+    assert old_name.outputs.embedding == raw[0].outputs.data.tolist()
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
+    ids = llm.get_tokenizer().encode(DOCS[3])
+    assert len(ids) > 40
+    out = llm.embed([DOCS[3]], truncate_prompt_tokens=40, use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids[-40:]
+    direct = llm.embed([ids[-40:]], use_tqdm=False)[0]
+    np.testing.assert_allclose(out.outputs.embedding, direct.outputs.embedding, atol=1e-6)
+    too_long = ids * 4  # 4 x > 512 tokens
+    assert len(too_long) > 512
+    out = llm.embed([too_long], PoolingParams(truncate_prompt_tokens=-1), use_tqdm=False)[0]
+    assert out.prompt_token_ids == too_long[-512:]
+    for bad in (0, -2, 513, 1.5):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            llm.embed([DOCS[3]], truncate_prompt_tokens=bad)
+
+
+# ---- errors, before any work -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prompt, params, kind, match", [
+    ("", None, ValueError, "prompt is empty"),
+    ([], None, ValueError, "at least one token"),
+    ([7] * 600, None, ValueError, "longer than max_model_len=512; pass truncate_prompt_tokens"),
+    ("hi", PoolingParams(dimensions=65), ValueError, "exceeds the model's hidden_size=64"),
+    ("hi", SamplingParams(), TypeError, "must be PoolingParams"),
+])
+def test_bad_requests_fail_before_work(llm, prompt, params, kind, match):
+    steps = llm.engine.scheduler.num_preemptions, llm.engine._next_request_id
+    with pytest.raises(kind, match=match):
+        llm.embed(["fine", prompt], params if not isinstance(params, SamplingParams) else [PoolingParams(), params])
+    assert (llm.engine.scheduler.num_preemptions, llm.engine._next_request_id) == steps  # nothing was queued
+    assert_no_leak(llm)
+
+
+def test_dimensions_need_a_matryoshka_model(ckpts):
+    with LLM(ckpts["mean"], **POOLING) as plain:
+        with pytest.raises(ValueError, match="does not support Matryoshka"):
+            plain.embed(["hi"], PoolingParams(dimensions=8))
+    with LLM(ckpts["cls"], **POOLING) as listed:
+        assert listed.embed(["hi"], PoolingParams(dimensions=32), use_tqdm=False)[0].outputs.hidden_size == 32
+        with pytest.raises(ValueError, match=r"not one of the model's matryoshka_dimensions \[16, 32\]"):
+            listed.embed(["hi"], PoolingParams(dimensions=24))
+
+
+def test_one_runner_per_engine(llm, ckpts, tiny_model):
+    with pytest.raises(TypeError, match="does not generate"):
+        llm.generate(["hi"], SamplingParams(max_tokens=2))
+    generator = make_llm(tiny_model)
+    with pytest.raises(ValueError, match="runner='pooling'"):
+        generator.embed(["hi"])
+    with pytest.raises(ValueError, match="cannot generate"):
+        LLM(ckpts["last"], runner="generate", device="cpu")
+
+
+def test_runner_names_and_refusals(ckpts, tmp_path):
+    for kwargs in ({}, {"task": "embed"}, {"convert": "embed"}, {"runner": "auto"}):  # Qwen3Model: auto pools
+        kw = {**POOLING, **kwargs}
+        kw.pop("runner") if "runner" not in kwargs else None
+        with LLM(ckpts["last"], **kw) as llm:
+            assert llm.config.runner == "pooling"
+    with pytest.raises(ValueError, match="different runners"):
+        LLM(ckpts["last"], runner="generate", task="embed")
+    bidirectional = build_tiny_embedding_checkpoint(tmp_path / "bidi")
+    _edit_json(bidirectional + "/config.json", is_causal=False)
+    with pytest.raises(ValueError, match="is_causal: false.*bidirectional"):
+        LLM(bidirectional, **POOLING)
+    max_pooled = build_tiny_embedding_checkpoint(tmp_path / "max")
+    _edit_json(max_pooled + "/1_Pooling/config.json", pooling_mode_lasttoken=False, pooling_mode_max_tokens=True)
+    with pytest.raises(ValueError, match="pooling mode 'max' is not supported"):
+        LLM(max_pooled, **POOLING)
+    with LLM(max_pooled, pooler_config={"pooling_type": "LAST"}, **POOLING) as overridden:  # vLLM's override
+        assert overridden.config.pooling.pooling_type == "LAST"
+
+
+def _edit_json(path: str, **changes) -> None:
+    with open(path) as f:
+        data = json.load(f)
+    data.update(changes)
+    with open(path, "w") as f:
+        json.dump(data, f)
+
+
+# ---- the prefix cache ------------------------------------------------------------------------
+
+
+def test_shared_instruction_hits_the_prefix_cache_with_the_same_vectors(llm, ckpts):
+    with LLM(ckpts["last"], **{**POOLING, "enable_prefix_caching": False}) as cold:
+        expected = cold.embed(QUERIES, use_tqdm=False)
+    llm.reset_prefix_cache()
+    llm.embed(QUERIES[:1], use_tqdm=False)  # warms the instruction's blocks
+    before = llm.prefix_cache_stats["hits"]
+    warm = llm.embed(QUERIES + QUERIES[:1], use_tqdm=False)
+    prefix_len = len(llm.get_tokenizer().encode(INSTRUCTION)) - 1  # without the appended end-of-text
+    for out, ref in zip(warm, expected + expected[:1]):
+        assert out.num_cached_tokens >= (prefix_len // 8) * 8 > 0
+        np.testing.assert_allclose(out.outputs.embedding, ref.outputs.embedding, atol=1e-5)
+    # A fully cached prompt still computes its last position (what last-token pooling reads).
+    assert warm[-1].num_cached_tokens < len(warm[-1].prompt_token_ids)
+    assert llm.prefix_cache_stats["hits"] > before
+    assert_no_leak(llm)
+
+
+# ---- streams and run-batch -------------------------------------------------------------------
+
+
+def test_embed_stream_yields_every_prompt_and_errors_in_place(llm):
+    expected = llm.embed(DOCS, use_tqdm=False)
+    got = dict(llm.embed_stream(iter(DOCS[:3] + [""] + DOCS[3:]), max_inflight=2, use_tqdm=False))
+    assert isinstance(got[3], RequestError) and "empty" in got[3].message
+    for i, ref in zip([0, 1, 2, 4, 5, 6], expected):
+        np.testing.assert_allclose(got[i].outputs.embedding, ref.outputs.embedding, atol=1e-6)
+    assert_no_leak(llm)
+
+
+def test_run_batch_embeddings(llm, ckpts, tmp_path):
+    ids = llm.get_tokenizer().encode(DOCS[0])
+    bodies = {
+        "one": {"input": DOCS[1]},
+        "many": {"input": DOCS[:3], "model": "last"},
+        "ids": {"input": ids},
+        "many-ids": {"input": [ids, ids[:2]]},
+        "b64": {"input": DOCS[3], "encoding_format": "base64", "dimensions": 32},
+    }
+    lines = [{"custom_id": k, "method": "POST", "url": "/v1/embeddings", "body": b} for k, b in bodies.items()]
+    lines += [
+        {"custom_id": "gen", "method": "POST", "url": "/v1/completions", "body": {"prompt": "hi"}},
+        {"custom_id": "big", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x", "dimensions": 999}},
+        {"custom_id": "empty", "method": "POST", "url": "/v1/embeddings", "body": {"input": ["a", ""]}},
+    ]
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in POOLING.items()]
+    assert main(["run-batch", "-i", str(src), "-o", str(dst), "--model", ckpts["last"], "--no-progress-bar",
+                 "--max-num-seqs=2", *flags]) == 1  # some lines failed
+    records = {r["custom_id"]: r for r in map(json.loads, dst.read_text().splitlines())}
+    assert set(records) == {line["custom_id"] for line in lines}
+    for cid, match in (("gen", "URL '/v1/completions'"), ("big", "dimensions=999"), ("empty", "empty")):
+        assert records[cid]["response"]["status_code"] == 400 and match in records[cid]["error"]["message"]
+
+    def vectors(cid):
+        body = records[cid]["response"]["body"]
+        assert body["object"] == "list" and [d["index"] for d in body["data"]] == list(range(len(body["data"])))
+        return [d["embedding"] for d in body["data"]]
+
+    for cid, prompts in (("one", [DOCS[1]]), ("many", DOCS[:3]), ("ids", [ids]), ("many-ids", [ids, ids[:2]])):
+        expected = [o.outputs.embedding for o in llm.embed(prompts, use_tqdm=False)]
+        np.testing.assert_allclose(vectors(cid), expected, atol=1e-5)
+    usage = records["many"]["response"]["body"]["usage"]
+    assert usage["prompt_tokens"] == usage["total_tokens"] == sum(len(llm.get_tokenizer().encode(d)) for d in DOCS[:3])
+    (packed,) = vectors("b64")
+    decoded = struct.unpack("<32f", base64.b64decode(packed))
+    expected = llm.embed([DOCS[3]], PoolingParams(dimensions=32), use_tqdm=False)[0].outputs.embedding
+    np.testing.assert_allclose(decoded, expected, atol=1e-5)
