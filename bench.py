@@ -8,6 +8,7 @@ vLLM's CPU backend on the same prompts.
     python bench.py --workload long-prompt            # ~4000-token prompts, and a one-block prefix-hit probe
     python bench.py --workload shared-prefix          # prefix caching on vs off
     python bench.py --workload mixed                  # TPOT / inter-token p99, chunked prefill on vs off
+    python bench.py --workload embed                  # LLM.embed docs/s vs sentence-transformers, caching on/off
     python bench.py --arch qwen3-0.6b                 # a cached random-weight checkpoint of a real shape
     python bench.py --model ~/Qwen3-0.6B --json out.json
 

@@ -49,7 +49,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 def _add_run_batch(subparsers) -> None:
     p = subparsers.add_parser(
         "run-batch",
-        help="run an OpenAI Batch JSONL file (/v1/chat/completions, /v1/completions) through one model",
+        help="run an OpenAI Batch JSONL file (/v1/chat/completions, /v1/completions; /v1/embeddings with "
+        "--runner pooling) through one model",
         description="Run an OpenAI Batch JSONL file through one model. Results are appended as they finish; "
         "exit status 0: every line succeeded, 1: some lines have error records, 2: usage error, "
         "128+N: stopped by signal N (rerun with --resume).",

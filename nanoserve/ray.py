@@ -14,7 +14,10 @@ optionally its own `sampling_params` dict that overrides the shared one. Rows co
 columns of Ray's own LLM processor added: `generated_text`, `generated_tokens`,
 `num_generated_tokens`, `num_input_tokens` and `finish_reason` (of the first sample), and
 `prompt_logprobs` when a row's sampling_params ask for them (per prompt token None, or a list of
-{"token_id", "logprob", "rank"}: the prompt token first, then the top k). This module
+{"token_id", "logprob", "rank"}: the prompt token first, then the top k).
+With `task_type="embed"` (Ray's name) the actors build embedding engines (runner="pooling") and
+add `embeddings` (a list of floats per row, None for a kept bad row) and `num_input_tokens`
+instead; `pooling_params` (a dict of PoolingParams fields) is shared, a row's own overrides. This module
 does not import Ray; `pip install "nanoserve[ray]"` installs Ray Data for the driver and workers.
 """
 from __future__ import annotations
@@ -24,11 +27,14 @@ from typing import Any
 
 from nanoserve.chat import render_conversations
 from nanoserve.llm import LLM
+from nanoserve.pooling_params import PoolingParams
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.engine.input_processor import RequestError
 from nanoserve.engine.request_stream import default_max_inflight, stream_requests
 
 OUTPUT_COLUMNS = ("generated_text", "generated_tokens", "num_generated_tokens", "num_input_tokens", "finish_reason")
+EMBED_COLUMNS = ("embeddings", "num_input_tokens")  # task_type="embed"
+TASK_TYPES = ("generate", "embed")
 ERROR_COLUMN = "__inference_error__"  # Ray's name, for rows kept with should_continue_on_error
 
 
@@ -57,7 +63,16 @@ class LLMPredictor:
         engine_kwargs: dict | None = None,
         chat_template_kwargs: dict | None = None,
         should_continue_on_error: bool = False,
+        task_type: str = "generate",
+        pooling_params: dict | None = None,
     ) -> None:
+        if task_type not in TASK_TYPES:
+            raise ValueError(f"task_type must be one of {TASK_TYPES}, got {task_type!r}")
+        self.embed = task_type == "embed"
+        if self.embed:
+            engine_kwargs = {"runner": "pooling", **(engine_kwargs or {})}
+        self.pooling_params = dict(pooling_params or {})
+        PoolingParams(**self.pooling_params)
         self.llm = LLM(model, **(engine_kwargs or {}))
         self.sampling_params = dict(sampling_params or {})
         SamplingParams(**self.sampling_params)  # a bad shared value fails here, once, not per row
@@ -72,7 +87,8 @@ class LLMPredictor:
             row = {name: values[i] for name, values in columns.items()}
             try:
                 prompt, tokenization_kwargs = self._prompt(row)
-                request = self.llm.engine.input_processor.prepare(prompt, self._params(row), i, tokenization_kwargs)
+                params = self._pooling_params(row) if self.embed else self._params(row)
+                request = self.llm.engine.input_processor.prepare(prompt, params, i, tokenization_kwargs)
             except (TypeError, ValueError) as e:
                 request = RequestError(str(e), type(e))
             if isinstance(request, RequestError) and not self.should_continue_on_error:
@@ -83,6 +99,8 @@ class LLMPredictor:
         return {**columns, **self._output_columns([results[i] for i in range(num_rows)])}
 
     def _output_columns(self, results: list) -> dict[str, list]:
+        if self.embed:
+            return self._embedding_columns(results)
         out: dict[str, list] = {name: [] for name in OUTPUT_COLUMNS}
         errors = []
         for i, result in enumerate(results):
@@ -102,6 +120,23 @@ class LLMPredictor:
         if self.should_continue_on_error:
             out[ERROR_COLUMN] = errors
         return out
+
+    def _embedding_columns(self, results: list) -> dict[str, list]:
+        failed = [isinstance(r, RequestError) for r in results]
+        out = {
+            "embeddings": [None if bad else r.outputs.data.tolist() for r, bad in zip(results, failed)],
+            "num_input_tokens": [0 if bad else len(r.prompt_token_ids) for r, bad in zip(results, failed)],
+        }
+        if self.should_continue_on_error:
+            out[ERROR_COLUMN] = [f"{r.error_type.__name__}: {r.message}" if bad else None
+                                 for r, bad in zip(results, failed)]
+        return out
+
+    def _pooling_params(self, row: dict) -> PoolingParams:
+        own = _plain(row.get("pooling_params")) or {}
+        if not isinstance(own, dict):
+            raise TypeError(f"a row's `pooling_params` must be a dict, got {type(own).__name__}")
+        return PoolingParams(**{**self.pooling_params, **{k: v for k, v in own.items() if v is not None}})
 
     def _prompt(self, row: dict) -> tuple[Any, dict | None]:
         """(prompt, tokenization_kwargs): text or token ids, or a chat rendered by its template."""

@@ -280,3 +280,31 @@ def test_run_batch_embeddings(llm, ckpts, tmp_path):
     decoded = struct.unpack("<32f", base64.b64decode(packed))
     expected = llm.embed([DOCS[3]], PoolingParams(dimensions=32), use_tqdm=False)[0].outputs.embedding
     np.testing.assert_allclose(decoded, expected, atol=1e-5)
+
+
+def test_ray_predictor_embed_mode_adds_embeddings(llm, ckpts):
+    from nanoserve.ray import ERROR_COLUMN, LLMPredictor  # Ray itself is not needed to call an actor's class
+
+    engine = {k: v for k, v in POOLING.items() if k != "runner"}
+    predictor = LLMPredictor(ckpts["last"], engine_kwargs=engine, task_type="embed", should_continue_on_error=True,
+                             pooling_params={"dimensions": 32})
+    batch = {"id": [0, 1, 2], "prompt": [DOCS[0], "", DOCS[1]], "pooling_params": [None, None, {"dimensions": 16}]}
+    out = predictor(batch)
+    assert out["id"] == [0, 1, 2] and out[ERROR_COLUMN][0] is None and "empty" in out[ERROR_COLUMN][1]
+    assert out["embeddings"][1] is None
+    for i, dims in ((0, 32), (2, 16)):
+        [expected] = llm.embed([batch["prompt"][i]], PoolingParams(dimensions=dims), use_tqdm=False)
+        np.testing.assert_allclose(out["embeddings"][i], expected.outputs.embedding, atol=1e-6)
+        assert out["num_input_tokens"][i] == len(expected.prompt_token_ids)
+    predictor.llm.close()
+
+
+def test_bench_embed_workload_runs_both_sides(ckpts):
+    from nanoserve.bench.cli import main as bench_main
+
+    report = bench_main(["--workload", "embed", "--model", ckpts["last"], "--num-seqs", "3", "--input-len", "8", "16",
+                         "--repeat", "1", "--st-batch-sizes", "2", "--no-warmup", "--device", "cpu"])
+    assert report["min_cosine_docs"] >= 0.9999 and report["min_cosine_queries"] >= 0.9999
+    assert report["min_cosine_cache_on_vs_off"] >= 0.9999
+    assert report["query_prefix_cache_hit_rate"] > 0  # the shared instruction is served from the cache
+    assert report["nanoserve_docs_per_s"] > 0 and report["st_docs_per_s"] > 0

@@ -27,7 +27,8 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                         "probe); shared-prefix: caching on vs off; mixed: chunked prefill on vs off; json: JSON-schema "
                         "constrained output vs its unconstrained twin, jump-forward on and off; mcq: multiple-choice "
                         "scoring with prompt logprobs (--input-len: context, --output-len: each of 4 continuations), "
-                        "caching on vs off")
+                        "caching on vs off; embed: LLM.embed docs/s vs sentence-transformers, and a shared-instruction "
+                        "query set with caching on vs off")
     w.add_argument("--num-seqs", type=int, help="number of requests")
     w.add_argument("--input-len", type=int, nargs=2, metavar=("MIN", "MAX"),
                    help="prompt length range (shared-prefix: the distinct tail after the shared prefix)")
@@ -73,6 +74,8 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     o.add_argument("--vllm-kv-cache-gib", type=float, default=4.0, help="VLLM_CPU_KVCACHE_SPACE (GiB)")
     o.add_argument("--vllm-timeout", type=float, default=3600.0,
                    help="seconds to wait for vLLM to load (it compiles on first use) or finish one run")
+    o.add_argument("--st-batch-sizes", type=int, nargs="+",
+                   help="embed: sentence-transformers batch sizes to try; its best is compared (default 4 16 32)")
     o.add_argument("--no-warmup", action="store_true")
     o.add_argument("--no-roofline", action="store_true", help="skip measuring the GEMM peak and bandwidth")
     o.add_argument("--profile", action="store_true",
@@ -116,6 +119,10 @@ def main(argv: list[str] | None = None, description: str | None = None) -> dict:
     args = parse_args(argv, description)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.workload == "embed":  # texts and an embedding checkpoint: its own runner (nanoserve/bench/embed.py)
+        from nanoserve.bench.embed import run_embed_bench
+
+        return run_embed_bench(args)
     args.model = resolve_model(args.model, args.arch)
     with open(os.path.join(args.model, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]

@@ -26,6 +26,8 @@ PRESETS: dict[str, dict] = {
     # Multiple-choice scoring (lm-eval's loglikelihood): num_seqs questions, each a context of
     # input_len tokens and MCQ_CHOICES continuations of output_len tokens, scored by prompt logprobs.
     "mcq": dict(num_seqs=8, input_len=(300, 800), output_len=(1, 20)),
+    # Embeddings (nanoserve/bench/embed.py): documents of 64-512 tokens, and as many queries.
+    "embed": dict(num_seqs=32, input_len=(64, 512), output_len=(1, 1)),
 }
 MCQ_CHOICES = 4
 

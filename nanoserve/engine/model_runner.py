@@ -119,7 +119,9 @@ class ModelRunner:
 
     @property
     def uses_cuda_graphs(self) -> bool:
-        return self.device.type == "cuda" and not self.config.enforce_eager and self.backend.supports_cuda_graphs
+        # Pooling steps are all prefills: decode graphs would never be replayed.
+        return (self.device.type == "cuda" and not self.config.enforce_eager and self.backend.supports_cuda_graphs
+                and self.pooler is None)
 
     # ---- KV cache --------------------------------------------------------------------------
 
