@@ -308,3 +308,4 @@ def test_bench_embed_workload_runs_both_sides(ckpts):
     assert report["min_cosine_cache_on_vs_off"] >= 0.9999
     assert report["query_prefix_cache_hit_rate"] > 0  # the shared instruction is served from the cache
     assert report["nanoserve_docs_per_s"] > 0 and report["st_docs_per_s"] > 0
+

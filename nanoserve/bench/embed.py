@@ -44,11 +44,17 @@ def resolve_embedding_model(model: str | None, arch: str | None) -> str:
 
 
 def make_texts(tokenizer, num: int, length: tuple[int, int], seed: int, prefix: str = "") -> list[str]:
-    """Texts whose token counts fall about uniformly in `length` (decoded random ordinary tokens)."""
+    """Texts whose token counts fall about uniformly in `length` (decoded random ordinary tokens,
+    re-tokenized and cut back to the drawn length, since decoded ids re-tokenize differently)."""
     rng = random.Random(seed)
     special = set(tokenizer.all_special_ids)
     ordinary = [i for i in range(min(len(tokenizer), 10000)) if i not in special]
-    return [prefix + tokenizer.decode([rng.choice(ordinary) for _ in range(rng.randint(*length))]) for _ in range(num)]
+    texts = []
+    for _ in range(num):
+        n = rng.randint(*length)
+        text = tokenizer.decode([rng.choice(ordinary) for _ in range(n)])
+        texts.append(prefix + tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)[:n]))
+    return texts
 
 
 def _dtype(args: argparse.Namespace, device: torch.device) -> str:
