@@ -33,9 +33,10 @@ def first_scored_position(seq: Sequence) -> int | None:
 
     Only a request's first sample scores its prompt (its other samples share the prompt); once it
     has sampled a token its prompt was wholly scored, so a recompute after preemption scores nothing.
+    Pooling requests (PoolingParams) score nothing.
     """
     params = seq.params
-    if params.prompt_logprobs is None or seq.sample_index != 0 or seq.num_output_tokens > 0:
+    if getattr(params, "prompt_logprobs", None) is None or seq.sample_index != 0 or seq.num_output_tokens > 0:
         return None
     start = max(params.prompt_logprobs_start or 1, 1)  # token 0 has no logprob
     return min(start, seq.num_prompt_tokens) - 1
