@@ -18,6 +18,7 @@ import pytest
 import helpers
 from helpers import child_pids, random_prompts
 from nanoserve import SamplingParams
+from nanoserve.distributed.group import TPGroup
 from nanoserve.engine.runner import Runner
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -85,10 +86,10 @@ def test_channel_packs_tensors_as_raw_bytes_and_checks_size(monkeypatch):
         channel.encode_message("step", channel.pack(torch.zeros(1000)))
 
 
-class _OtherRankHas25Blocks:
-    """A group whose other rank could afford only 25 KV blocks."""
+class _OtherRankHas25Blocks(TPGroup):
+    """A one-rank group whose (imagined) other rank could afford only 25 KV blocks."""
 
-    def all_reduce(self, t, op):
+    def all_reduce(self, t, op="sum"):
         return t.clamp_(max=25) if op == "min" else t
 
 
@@ -97,14 +98,12 @@ def test_ranks_agree_on_the_smallest_kv_cache(tiny_model):
     import torch
 
     from nanoserve.config import Config
-    from nanoserve.engine.tp_worker import agree_num_kvcache_blocks
     from nanoserve.engine.model_runner import ModelRunner
 
     config = Config(tiny_model, device="cpu", dtype="float32", num_kvcache_blocks=40, max_model_len=64)
-    runner = ModelRunner(config, torch.device("cpu"))
+    runner = ModelRunner(config, torch.device("cpu"), _OtherRankHas25Blocks())
     assert isinstance(runner, Runner)
-    assert agree_num_kvcache_blocks(runner, _OtherRankHas25Blocks()) == 25
-    assert runner.num_kvcache_blocks == 25 and runner.kv_cache.shape[2] == 25
+    assert runner.kv_spec.num_blocks == 25 and runner.kv_cache.shape[2] == 25
     assert all(a.k_cache.data_ptr() == runner.kv_cache[0, i].data_ptr() and a.k_cache.shape[0] == 25
                for i, a in enumerate(runner.attention_layers))
 

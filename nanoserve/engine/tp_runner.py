@@ -21,7 +21,6 @@ from nanoserve.distributed.channel import encode_message, pack
 from nanoserve.distributed.group import TPGroup
 from nanoserve.engine.model_runner import ModelRunner, StepOutput
 from nanoserve.engine.scheduler import ScheduledBatch
-from nanoserve.engine.tp_worker import agree_num_kvcache_blocks
 from nanoserve.engine.tp_workers import Workers
 
 logger = logging.getLogger(__name__)
@@ -49,12 +48,11 @@ class TPModelRunner:  # implements engine.runner.Runner
             with process_group.torch_threads(self.num_threads):
                 self.rank0 = ModelRunner(config, rank0_device, self.group)
             self._workers.wait_ready()
-            agree_num_kvcache_blocks(self.rank0, self.group)
         except BaseException:
             self._workers.close(graceful=False)
             self.close()
             raise
-        self.kv_spec = self.rank0.kv_spec  # with the agreed block count (rank 0's cache was resized to it)
+        self.kv_spec = self.rank0.kv_spec  # every rank's ModelRunner agreed on the block count (the minimum)
         self.backend = self.rank0.backend
         logger.info("tensor parallel: %d ranks, %d KV blocks each", size, self.kv_spec.num_blocks)
 

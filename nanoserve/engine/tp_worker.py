@@ -24,16 +24,6 @@ from nanoserve.engine.model_runner import ModelRunner
 WATCHDOG_INTERVAL_S = 0.5
 
 
-def agree_num_kvcache_blocks(runner: ModelRunner, group: TPGroup) -> int:
-    """All ranks take the smallest cache any rank could afford, so block ids mean the same everywhere."""
-    local = runner.num_kvcache_blocks
-    count = torch.tensor([local], dtype=torch.int64, device=runner.device)
-    agreed = int(group.all_reduce(count, "min").item())
-    if agreed != local:
-        runner.resize_kv_cache(agreed)
-    return agreed
-
-
 def _watch_parent(parent_pid: int) -> None:
     while True:
         time.sleep(WATCHDOG_INTERVAL_S)
@@ -57,7 +47,6 @@ def worker_main(
         process_group.connect(group, device, process_group.join_store(store_path, size))
         runner = ModelRunner(config, device, group)
         send_message(conn, "ready", runner.num_kvcache_blocks)
-        agree_num_kvcache_blocks(runner, group)
         while True:
             kind, payload = recv_message(conn)
             if kind == "stop":
