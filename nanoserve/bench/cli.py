@@ -12,6 +12,7 @@ from nanoserve.bench.experiments import WORKLOADS, bench_accuracy
 from nanoserve.bench.machine import describe_machine, machine_info
 from nanoserve.bench.peers.hf import HF_PATHS
 from nanoserve.bench.peers.vllm import default_vllm_python
+from nanoserve.bench.report import finish_report
 from nanoserve.bench.workloads import PEER_WORKLOADS, PRESETS, WorkloadSpec, make_requests
 from nanoserve.config import DTYPES
 
@@ -143,11 +144,4 @@ def main(argv: list[str] | None = None, description: str | None = None) -> dict:
     else:
         WORKLOADS[args.workload](args, requests, report)
 
-    if hasattr(os, "getloadavg"):  # includes this run itself: ~threads when nothing else ran
-        report["machine"]["load_average_end"] = os.getloadavg()
-        print("load average (1/5/15 min) at the end: " + " / ".join(f"{v:.2f}" for v in os.getloadavg()))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2, default=str)
-        print(f"wrote {args.json}")
-    return report
+    return finish_report(args, report)

@@ -72,7 +72,7 @@ def drive(llm: LLM, requests: list[Request], params: Callable[[Request], Samplin
     t0 = time.perf_counter()
 
     def on_step(stats) -> None:
-        nonlocal t0, peak, total
+        nonlocal peak, total
         now = time.perf_counter()
         entries = [(e.num_computed_tokens, e.num_new_tokens, e.sampled) for e in stats.entries]
         steps.append(StepRecord(now - t0, stats.num_prefill_tokens, stats.num_decode_tokens, entries))

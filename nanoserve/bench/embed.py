@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
 import random
 import statistics
 import time
@@ -25,6 +23,7 @@ import torch
 
 from nanoserve import LLM
 from nanoserve.bench.machine import _cpuinfo, describe_machine, engine_description, machine_info
+from nanoserve.bench.report import finish_report
 from nanoserve.utils.tiny_configs import QWEN3_0_6B
 from nanoserve.utils.tiny_embedding import ensure_tiny_embedding_checkpoint
 
@@ -181,11 +180,4 @@ def run_embed_bench(args: argparse.Namespace) -> dict:
     print(f"prefix cache on vs off (queries): {cache_ratio:.2f}x "
           f"at hit rate {hit_rate:.1%}; min cosine vs sentence-transformers: docs {r['min_cosine_docs']:.6f}, "
           f"queries {r['min_cosine_queries']:.6f}")
-    if hasattr(os, "getloadavg"):
-        report["machine"]["load_average_end"] = os.getloadavg()
-        print("load average (1/5/15 min) at the end: " + " / ".join(f"{v:.2f}" for v in os.getloadavg()))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2, default=str)
-        print(f"wrote {args.json}")
-    return report
+    return finish_report(args, report)

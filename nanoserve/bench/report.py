@@ -1,6 +1,8 @@
 """Printing a run's figures and the comparisons; every figure also goes into the JSON report."""
 from __future__ import annotations
 
+import json
+import os
 import statistics
 
 from nanoserve.bench.results import RunResult
@@ -93,3 +95,15 @@ def compare(ours: list[RunResult], peer_runs: dict[str, list[RunResult]]) -> dic
         if not counts_ok:
             print(f"WARNING: nanoserve or {name} did not produce every request's exact token count")
     return summary
+
+
+def finish_report(args, report: dict) -> dict:
+    """The load average at the end (it includes this run itself), and the JSON report if asked for."""
+    if hasattr(os, "getloadavg"):
+        report["machine"]["load_average_end"] = os.getloadavg()
+        print("load average (1/5/15 min) at the end: " + " / ".join(f"{v:.2f}" for v in os.getloadavg()))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2, default=str)
+        print(f"wrote {args.json}")
+    return report

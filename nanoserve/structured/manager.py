@@ -17,8 +17,8 @@ from nanoserve.structured.matcher import SequenceMatcher, StructuredStats
 from nanoserve.structured.params import StructuredOutputsParams
 
 
-# "SamplingParams" is named, not imported: sampling_params.py imports this package.
-def constraint_of(params: "SamplingParams") -> tuple[StructuredOutputsParams, str] | None:
+# Any is named, not imported: sampling_params.py imports this package.
+def constraint_of(params: Any) -> tuple[StructuredOutputsParams, str] | None:
     """The request's constraint and the field it came in (for messages), or None."""
     for name in ("structured_outputs", "guided_decoding"):
         constraint = getattr(params, name)
@@ -47,14 +47,14 @@ class StructuredOutputManager:
             self._hf_tokenizer = tokenizer
         return self._cache
 
-    def check(self, params: "SamplingParams") -> None:
+    def check(self, params: Any) -> None:
         """Compile the request's constraint (or find it cached); ValueError naming the field."""
         found = constraint_of(params)
         if found is not None:
             constraint, name = found
             self._grammars().matcher(constraint.spec(), name)
 
-    def new_matcher(self, params: "SamplingParams") -> SequenceMatcher | None:
+    def new_matcher(self, params: Any) -> SequenceMatcher | None:
         found = constraint_of(params)
         if found is None:
             return None
@@ -64,7 +64,7 @@ class StructuredOutputManager:
         # takes every token from the sampler.
         return SequenceMatcher(llg, self.stats, self.jump_forward and params.logprobs is None)
 
-    def attach(self, seqs: list, detokenizers: list, params: "SamplingParams") -> None:
+    def attach(self, seqs: list, detokenizers: list, params: Any) -> None:
         """Give each new sequence its matcher and append what the grammar forces before the first
         sampled token (e.g. `{"name": "`), so it is prefilled with the prompt.
 

@@ -75,7 +75,7 @@ def _from_response_format(fmt: Any) -> StructuredOutputsParams | None:
     )
 
 
-def with_guided_options(params: list["SamplingParams"], options: Any) -> list["SamplingParams"]:
+def with_guided_options(params: list[Any], options: Any) -> list[Any]:
     """vLLM's `LLM.generate(guided_options_request=...)`: the same constraint on every prompt.
     The caller's SamplingParams are not changed (one object may serve several prompts)."""
     guided = from_guided_options(options)
