@@ -192,16 +192,22 @@ def ensure_tiny_checkpoint(name: str, arch: str = "qwen3", **kwargs) -> str:
     The checkpoint is built in a temporary sibling directory and renamed into place, so a
     crash never leaves a half-written checkpoint where a later run would trust it.
     """
-    path = default_model_dir(name)
     # The model_type, so "Qwen3ForCausalLM" and "qwen3" share one cached build.
     fingerprint = _fingerprint(resolve_arch(arch).model_type, kwargs)
+    return build_cached(name, fingerprint, lambda tmp: build_tiny_checkpoint(tmp, arch, **kwargs))
+
+
+def build_cached(name: str, fingerprint, build) -> str:
+    """default_model_dir(name), built by `build(tmp_dir)` unless a build with this fingerprint is there:
+    built in a temporary sibling and renamed into place, so a crash never leaves a half-written one."""
+    path = default_model_dir(name)
     if _fingerprint_matches(path, fingerprint):
         return path
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
     try:
-        build_tiny_checkpoint(tmp, arch, **kwargs)
+        build(tmp)
         _write_json(os.path.join(tmp, FINGERPRINT_FILE), fingerprint)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; a cache dir should look normal
         _move_into_place(tmp, path, fingerprint)

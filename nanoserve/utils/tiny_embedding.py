@@ -11,18 +11,14 @@ from __future__ import annotations
 import json
 import os
 
-import shutil
-import tempfile
 
 from nanoserve.utils.tiny_checkpoint import (
     DTYPES,
-    FINGERPRINT_FILE,
     _fingerprint,
-    _fingerprint_matches,
-    _move_into_place,
     _remove_old_weights,
     _tokenizer_and_config,
-    default_model_dir,
+    _write_json,
+    build_cached,
 )
 from nanoserve.utils.tiny_tokenizer import DEFAULT_TOKENIZER_VOCAB_SIZE, ENDOFTEXT
 from nanoserve.utils.tiny_weights import random_model
@@ -99,27 +95,8 @@ def _write_sentence_transformers_files(path: str, hidden: int, mode: str, normal
     _write_json(os.path.join(path, "1_Pooling", "config.json"), pooling)
 
 
-def _write_json(file_path: str, obj) -> None:
-    with open(file_path, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
-
-
 def ensure_tiny_embedding_checkpoint(name: str, **kwargs) -> str:
     """build_tiny_embedding_checkpoint once into default_model_dir(name), reused while kwargs match
     (built in a temporary sibling and renamed into place, as ensure_tiny_checkpoint does)."""
-    path = default_model_dir(name)
     fingerprint = _fingerprint("qwen3-embedding", kwargs)
-    if _fingerprint_matches(path, fingerprint):
-        return path
-    parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
-    try:
-        build_tiny_embedding_checkpoint(tmp, **kwargs)
-        _write_json(os.path.join(tmp, FINGERPRINT_FILE), fingerprint)
-        os.chmod(tmp, 0o755)
-        _move_into_place(tmp, path, fingerprint)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    return build_cached(name, fingerprint, lambda tmp: build_tiny_embedding_checkpoint(tmp, **kwargs))
