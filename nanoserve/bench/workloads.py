@@ -32,7 +32,9 @@ PRESETS: dict[str, dict] = {
 MCQ_CHOICES = 4
 
 # Workloads whose requests all arrive at once: a peer engine (HF, vLLM) can run them as one batch.
-PEER_WORKLOADS = ("random", "long-prompt")
+# Which peers each workload runs side by side (--compare); the others compare nanoserve settings.
+PEER_WORKLOADS = {"random": ("hf", "vllm"), "long-prompt": ("hf", "vllm"), "json": ("vllm",), "mcq": ("vllm",),
+                  "embed": ("vllm",)}
 
 
 @dataclass

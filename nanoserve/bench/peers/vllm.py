@@ -70,13 +70,28 @@ def vllm_env(python: str, threads: int, kv_cache_gib: float) -> tuple[dict[str, 
     return env, notes
 
 
+# What each task needs of vLLM's LLM: the grammar and the texts need its tokenizer; embed its pooling runner.
+TASK_LLM_KWARGS = {"generate": dict(skip_tokenizer_init=True), "mcq": dict(skip_tokenizer_init=True),
+                   "json": {}, "embed": dict(runner="pooling")}
+
+
 class VLLMPeer:
+    """vLLM on `task` (vllm_worker.py lists them): `payloads` are the worker's per-request dicts
+    (default: each request's prompt ids and max_tokens, the generate task's)."""
+
     name = "vllm cpu"
 
     def __init__(self, settings: PeerSettings, requests: list[Request], python: str | None,
-                 kv_cache_gib: float = 4.0, timeout_s: float = 3600.0, roof: Roofline | None = None) -> None:
+                 kv_cache_gib: float = 4.0, timeout_s: float = 3600.0, roof: Roofline | None = None,
+                 task: str = "generate", payloads: list[dict] | None = None,
+                 request_sets: dict[str, list[dict]] | None = None) -> None:
+        if task not in TASK_LLM_KWARGS:
+            raise ValueError(f"task must be one of {', '.join(TASK_LLM_KWARGS)}, got {task!r}")
         self.settings, self.requests, self.python = settings, requests, python
         self.kv_cache_gib, self.timeout_s, self.roof = kv_cache_gib, timeout_s, roof
+        self.task = task
+        self.payloads = payloads or [{"prompt": r.prompt, "max_tokens": r.max_tokens} for r in requests]
+        self.request_sets = request_sets or {}
         self.proc: subprocess.Popen | None = None
         self.version: str | None = None
         self._buffer = b""
@@ -85,12 +100,15 @@ class VLLMPeer:
     def spec(self) -> dict:
         s = self.settings
         llm = dict(model=s.model, dtype=s.dtype, max_model_len=s.max_model_len,
-                   max_num_seqs=min(s.max_num_seqs or len(self.requests), len(self.requests)),
-                   seed=s.seed, skip_tokenizer_init=True)
+                   max_num_seqs=min(s.max_num_seqs or len(self.payloads), len(self.payloads)), seed=s.seed,
+                   **TASK_LLM_KWARGS[self.task])
+        if s.max_num_batched_tokens is not None and self.task in ("mcq", "embed"):
+            llm["max_num_batched_tokens"] = s.max_num_batched_tokens
         if not s.enable_prefix_caching:
             llm["enable_prefix_caching"] = False
-        return {"llm": llm, "requests": [{"prompt": r.prompt, "max_tokens": r.max_tokens} for r in self.requests],
-                "temperature": s.temperature, "seed": s.seed, "warmup": s.warmup}
+        return {"task": self.task, "llm": llm, "requests": self.payloads, "request_sets": self.request_sets,
+                "temperature": s.temperature,
+                "seed": s.seed, "warmup": s.warmup}
 
     def start(self) -> list[str]:
         """Load vLLM and warm it up; returns notes for the report. PeerUnavailable if it cannot run."""
@@ -114,13 +132,20 @@ class VLLMPeer:
         return notes + [f"vLLM {self.version} loaded and warmed up in {ready['load_s']:.0f} s "
                         f"(threads bound to CPUs {env['VLLM_CPU_OMP_THREADS_BIND']})"]
 
-    def run(self) -> list[RunResult]:
-        assert self.proc is not None, "start() first"
+    def run_raw(self, request_set: str | None = None) -> dict:
+        """One run of the task on its requests (or the named request set): the worker's result
+        ({"wall_s", "counts", "finished_stop"})."""
+        if self.proc is None:
+            raise RuntimeError("VLLMPeer.start() must come before run")
         self._resume()
-        self.proc.stdin.write(b"run\n")
+        self.proc.stdin.write(f"run {request_set}\n".encode() if request_set else b"run\n")
         self.proc.stdin.flush()
         result = self._receive("result")
         self._pause()
+        return result
+
+    def run(self) -> list[RunResult]:
+        result = self.run_raw()
         return [peer_result(self.name, self.requests, result["counts"], result["wall_s"], self.roof)]
 
     def _pause(self) -> None:

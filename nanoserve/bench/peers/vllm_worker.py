@@ -3,10 +3,19 @@
 
     <vllm-venv>/bin/python vllm_worker.py SPEC.json
 
-SPEC.json: {"llm": {LLM kwargs}, "requests": [{"prompt": [ids], "max_tokens": n}], "temperature",
-"seed", "warmup"}. The worker loads the model, runs one short warm-up `generate`, and writes one
-JSON line per event to its stdout: {"event": "ready", ...}, then for each "run" line read on stdin
-{"event": "result", "wall_s", "counts"}; "quit" ends it. vLLM's own logs go to stderr.
+SPEC.json: {"task", "llm": {LLM kwargs}, "requests": [...], "request_sets": {name: [...]} (optional),
+"temperature", "seed", "warmup"}. Tasks
+and what each request carries:
+  generate  {"prompt": [ids], "max_tokens": n}: greedy/sampled output of exactly n tokens (ignore_eos)
+  json      {"prompt": [ids], "max_tokens": n, "schema": {...}}: JSON-schema constrained output
+            (vLLM's structured outputs, compact JSON), ended by the grammar or n
+  mcq       {"prompt": [ids]}: one scoring request, prompt_logprobs=1 and one output token
+  embed     {"text": str}: LLM.embed (the LLM is loaded with runner="pooling")
+The worker loads the model, runs one short warm-up of its task, and writes one JSON line per
+event to its stdout: {"event": "ready", ...}, then for each "run" line read on stdin
+{"event": "result", "wall_s", "counts", "finished_stop"} ("run NAME": the request set NAME); "quit" ends it. `counts` per request:
+output tokens (generate, json), prompt positions with logprobs (mcq), vector length (embed).
+vLLM's own logs go to stderr.
 """
 from __future__ import annotations
 
@@ -31,32 +40,63 @@ def main(spec_path: str) -> None:
     import vllm
     from vllm import LLM, SamplingParams
 
-    def params(max_tokens: int, i: int) -> SamplingParams:
+    task = spec.get("task", "generate")
+
+    def params(r: dict, i: int) -> SamplingParams:
         seed = spec["seed"] + i if spec["temperature"] > 0 else None
-        return SamplingParams(temperature=spec["temperature"], max_tokens=max_tokens, ignore_eos=True,
+        if task == "mcq":
+            return SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1, detokenize=False)
+        if task == "json":
+            from vllm.sampling_params import StructuredOutputsParams
+
+            return SamplingParams(temperature=spec["temperature"], max_tokens=r["max_tokens"], seed=seed,
+                                  structured_outputs=StructuredOutputsParams(json=r["schema"],
+                                                                            disable_any_whitespace=True))
+        return SamplingParams(temperature=spec["temperature"], max_tokens=r["max_tokens"], ignore_eos=True,
                               detokenize=False, seed=seed)
+
+    def run(requests: list[dict]) -> tuple[list, float]:
+        t0 = time.perf_counter()
+        if task == "embed":
+            outs = llm.embed([r["text"] for r in requests], use_tqdm=False)
+        else:
+            prompts = [{"prompt_token_ids": r["prompt"]} for r in requests]
+            outs = llm.generate(prompts, [params(r, i) for i, r in enumerate(requests)], use_tqdm=False)
+        return outs, time.perf_counter() - t0
+
+    def count(out) -> int:
+        if task == "embed":
+            return len(out.outputs.embedding)
+        if task == "mcq":
+            return sum(p is not None for p in out.prompt_logprobs or [])
+        return len(out.outputs[0].token_ids)
 
     start = time.perf_counter()
     llm = LLM(**spec["llm"])
     requests = spec["requests"]
-    prompts = [{"prompt_token_ids": r["prompt"]} for r in requests]
-    sampling = [params(r["max_tokens"], i) for i, r in enumerate(requests)]
     if spec["warmup"]:
-        warm = [{"prompt_token_ids": requests[0]["prompt"][:32]}, {"prompt_token_ids": requests[-1]["prompt"][:24]}]
-        llm.generate(warm, [params(4, 0), params(4, 1)], use_tqdm=False)
+        warm = [dict(r) for r in (requests[0], requests[-1])]
+        for r in warm:
+            if "prompt" in r:
+                r["prompt"] = r["prompt"][:32]
+            if "max_tokens" in r:
+                r["max_tokens"] = min(r["max_tokens"], 4)
+        run(warm)
     send({"event": "ready", "vllm_version": vllm.__version__, "load_s": time.perf_counter() - start})
 
+    request_sets = spec.get("request_sets") or {}
     for line in sys.stdin:
-        command = line.strip()
+        command, _, name = line.strip().partition(" ")
         if command == "quit":
             break
-        if command != "run":
-            raise ValueError(f"unknown command {command!r}: expected 'run' or 'quit'")
+        if command != "run" or (name and name not in request_sets):
+            raise ValueError(f"unknown command {line.strip()!r}: expected 'run', 'run NAME' "
+                             f"(NAME one of {sorted(request_sets)}) or 'quit'")
         llm.reset_prefix_cache()  # every repeat starts from a cold cache, as nanoserve's do
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, sampling, use_tqdm=False)
-        wall = time.perf_counter() - t0
-        send({"event": "result", "wall_s": wall, "counts": [len(o.outputs[0].token_ids) for o in outs]})
+        outs, wall = run(request_sets[name] if name else requests)
+        finished_stop = sum(getattr(o.outputs[0], "finish_reason", None) == "stop" for o in outs) \
+            if task in ("generate", "json") else None
+        send({"event": "result", "wall_s": wall, "counts": [count(o) for o in outs], "finished_stop": finished_stop})
 
 
 if __name__ == "__main__":
