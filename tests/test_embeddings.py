@@ -241,6 +241,20 @@ def test_embed_stream_yields_every_prompt_and_errors_in_place(llm):
     assert_no_leak(llm)
 
 
+def test_an_abandoned_stream_drops_the_mean_pooling_partials(ckpts):
+    with LLM(ckpts["mean"], **POOLING) as llm:
+        pooler = llm.engine.model_runner.pooler
+        stream = llm.embed_stream(iter(["x", DOCS[5], DOCS[3]]), max_inflight=3, use_tqdm=False)
+        index, _ = next(stream)
+        assert index == 0 and pooler.num_partials > 0  # the long documents are part-way through their prefill
+        stream.close()  # aborts them
+        assert pooler.num_partials == 0
+        assert_no_leak(llm)
+        again = llm.embed(DOCS[5:6], use_tqdm=False)[0]
+        np.testing.assert_allclose(again.outputs.embedding, st_encode(ckpts["mean"], DOCS[5:6])[0], rtol=1e-4,
+                                   atol=1e-4)
+
+
 def test_run_batch_embeddings(llm, ckpts, tmp_path):
     ids = llm.get_tokenizer().encode(DOCS[0])
     bodies = {

@@ -332,6 +332,21 @@ def test_eos_only_where_the_grammar_accepts(llm):
         assert all(t not in eos for t in sample.token_ids[:-1])
 
 
+def test_grammar_wins_over_min_tokens_suppression(llm, llm_no_jf):
+    """A stop id the grammar requires, suppressed by min_tokens: the grammar's only token is still
+    sampled (never an arbitrary token the matcher would refuse), and the grammar ends the sample."""
+    tok = llm.get_tokenizer()
+    word = next(w for w in ("yes", "no", "ab", "a") if len(tok.encode(w, add_special_tokens=False)) == 1)
+    (word_id,) = tok.encode(word, add_special_tokens=False)
+    for engine in (llm, llm_no_jf):
+        for temperature in (0.0, 1.0):
+            params = constrained(temperature, seed=1, choice=[word])
+            params.min_tokens, params.stop_token_ids = 5, [word_id]
+            sample = engine.generate(["w"], params, use_tqdm=False)[0].outputs[0]
+            assert sample.text == word and sample.finish_reason == "stop"
+        assert_no_leak(engine)
+
+
 def test_prefix_caching_chunked_prefill_and_preemption_agree(tiny_model, llm):
     """Greedy constrained outputs stay the same under prefix-cache hits, small prefill chunks and
     preemption (a recomputed sequence must not feed its tokens to the matcher again)."""

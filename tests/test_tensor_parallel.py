@@ -141,6 +141,22 @@ def test_tp2_matches_tp1_and_hf(tp2, tiny_model, hf):
     assert runner.rank0.kv_cache.shape[4] == 1
 
 
+def test_tp2_prompt_logprobs_equal_tp1(tp2, tiny_model):
+    """Prompt scoring gathers the vocabulary-parallel LM head's logits at every scored position."""
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 20, 40, seed=9)]
+    params = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False, prompt_logprobs=2)
+    tp2_out = tp2.generate(prompts, params, use_tqdm=False)
+    tp1_out = make_llm(tiny_model, tp=1).generate(prompts, params, use_tqdm=False)
+    for got, want in zip(tp2_out, tp1_out, strict=True):
+        assert len(got.prompt_logprobs) == len(want.prompt_logprobs) == len(got.prompt_token_ids)
+        assert got.prompt_logprobs[0] is None
+        for g, w in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:]):
+            assert {t: lp.rank for t, lp in g.items() if lp.rank <= 2} == \
+                {t: lp.rank for t, lp in w.items() if lp.rank <= 2}
+            assert list(g)[0] == list(w)[0]  # the prompt token first
+            assert [lp.logprob for lp in g.values()] == pytest.approx([lp.logprob for lp in w.values()], abs=1e-5)
+
+
 def test_second_engine_while_first_alive_then_with_closes(tp2, tiny_model, hf):
     """Two TP engines at once (own process groups, own free ports); `with` leaves no child behind.
 

@@ -312,6 +312,9 @@ class LLMEngine:
             request = self.requests.pop(request_id, None)
             if request is not None:
                 self.scheduler.abort(request.seqs)
+                pooler = getattr(self.model_runner, "pooler", None)
+                if pooler is not None:  # a mean/CLS request split over chunks carries a partial
+                    pooler.forget([seq.seq_id for seq in request.seqs])
 
     def reset_prefix_cache(self) -> None:
         if not self.is_finished():

@@ -59,6 +59,15 @@ class Pooler:
             self._partial[seq_id] = self._partial[seq_id] + piece
         return self._partial[seq_id]
 
+    def forget(self, seq_ids: Seq[int]) -> None:
+        """Drop the partials of sequences that will not resume (aborted requests)."""
+        for seq_id in seq_ids:
+            self._partial.pop(seq_id, None)
+
     def reset(self) -> None:
-        """Forget partials of sequences that will not resume (after an abort)."""
+        """Forget every partial (after everything in flight is aborted)."""
         self._partial.clear()
+
+    @property
+    def num_partials(self) -> int:
+        return len(self._partial)

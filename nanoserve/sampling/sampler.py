@@ -7,7 +7,8 @@ loop over rows or over the vocabulary.
 Order of operations (vLLM's):
   1. logprobs (if any row asked) from the RAW logits: log_softmax before anything below.
   1b. structured outputs: tokens a row's grammar forbids -> -inf (constrained rows only).
-  2. suppressed tokens (EOS / stop ids while min_tokens is not reached) -> -inf.
+  2. suppressed tokens (EOS / stop ids while min_tokens is not reached) -> -inf, except in a row
+     where that would leave its grammar no token at all.
   3. penalties: repetition (over prompt + output), frequency and presence (over the output).
   4. greedy rows (temperature 0, or top_k 1, which keeps the same single token) take the argmax.
   5. the other rows: logits / temperature, then top_k, top_p, min_p, then a seeded draw
@@ -56,7 +57,12 @@ class Sampler(torch.nn.Module):
         if meta.grammar_forbidden is not None:
             logits = logits.masked_fill(meta.grammar_forbidden, float("-inf"))
         if meta.suppressed is not None:
-            logits = logits.index_put((meta.suppressed[0], meta.suppressed[1]), logits.new_tensor(float("-inf")))
+            suppressed = logits.index_put((meta.suppressed[0], meta.suppressed[1]), logits.new_tensor(float("-inf")))
+            if meta.grammar_forbidden is not None:
+                # The grammar wins: a row whose grammar admits only suppressed ids keeps them (its
+                # sample then ends with the grammar, before min_tokens) rather than drawing from nothing.
+                suppressed = torch.where(torch.isneginf(suppressed).all(-1, keepdim=True), logits, suppressed)
+            logits = suppressed
         logits = apply_penalties(logits, meta)
         token_ids = self._sample(logits, meta)
 
