@@ -18,6 +18,7 @@ from nanoserve.bench.cli import parse_args
 from nanoserve.bench.peers import PeerSettings
 from nanoserve.bench.peers.start import _max_positions, vllm_dtype
 from nanoserve.bench.peers.vllm import VLLMPeer
+from nanoserve.bench.structured import _count_valid
 from nanoserve.bench.workloads import Request
 
 FAKE_VLLM = textwrap.dedent('''
@@ -36,6 +37,7 @@ FAKE_VLLM = textwrap.dedent('''
     class _Completion:
         def __init__(self, n, reason):
             self.token_ids, self.finish_reason = list(range(n)), reason
+            self.text = json.dumps({"n": n})
 
     class _Out:
         def __init__(self, prompt, params):
@@ -135,6 +137,8 @@ def test_json_task_passes_each_schema_and_keeps_the_tokenizer(fake_vllm_python):
         {"json": s, "disable_any_whitespace": True} for s in schemas]
     assert [p["max_tokens"] for p in run["params"]] == [9, 7] and "ignore_eos" not in run["params"][0]
     assert results[-1]["finished_stop"] == 2
+    # the texts come back so the bench can check the grammar held: {"n": 9} is an object, not "a" or "b"
+    assert _count_valid(results[-1]["texts"], payloads) == 1
 
 
 def test_embed_task_runs_the_pooling_runner_on_each_request_set(fake_vllm_python):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import statistics
 
 from nanoserve import LLM, SamplingParams
@@ -121,6 +122,22 @@ def _phase(llm: LLM, requests: list[Request], args: argparse.Namespace) -> dict:
     return out
 
 
+def _count_valid(texts: list[str], payloads: list[dict]) -> int | None:
+    """How many of a peer's texts parse and validate against their schema (None: no jsonschema)."""
+    try:
+        import jsonschema
+    except ImportError:
+        return None
+    valid = 0
+    for text, payload in zip(texts, payloads):
+        try:
+            jsonschema.validate(json.loads(text), payload["schema"])
+            valid += 1
+        except (ValueError, jsonschema.ValidationError):
+            pass
+    return valid
+
+
 def _vs_vllm(args: argparse.Namespace, requests: list[Request], settings, concurrency: int, ours: dict) -> dict:
     """The same prompts and schemas through vLLM's structured outputs at the same concurrency."""
     payloads = [{"prompt": r.prompt, "max_tokens": r.max_tokens, "schema": BENCH_SCHEMAS[i % len(BENCH_SCHEMAS)]}
@@ -141,10 +158,11 @@ def _vs_vllm(args: argparse.Namespace, requests: list[Request], settings, concur
     ours_tok_s = ours["jump_forward_on"]["output_tok_s"]
     out = {"version": peer.version, "dtype": peer.settings.dtype, "output_tok_s": median, "output_tok_s_runs": tok_s,
            "wall_s": mid["wall_s"], "output_tokens": sum(mid["counts"]), "finished_stop": mid["finished_stop"],
-           "nanoserve_speedup": ours_tok_s / median}
+           "valid_json": _count_valid(mid.get("texts") or [], payloads), "nanoserve_speedup": ours_tok_s / median}
     print(f"  vLLM {peer.version} ({peer.settings.dtype}, structured outputs), median of {len(runs)}: "
           f"{median:.1f} tok/s, wall {mid['wall_s']:.2f} s for {out['output_tokens']} tokens, "
-          f"{mid['finished_stop']}/{len(requests)} finished by the grammar; nanoserve jump-forward on "
+          f"{mid['finished_stop']}/{len(requests)} finished by the grammar ({out['valid_json']} parse and validate); "
+          f"nanoserve jump-forward on "
           f"{out['nanoserve_speedup']:.2f}x its tok/s", flush=True)
     return out
 

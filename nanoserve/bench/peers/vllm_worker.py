@@ -13,7 +13,8 @@ and what each request carries:
   embed     {"text": str}: LLM.embed (the LLM is loaded with runner="pooling")
 The worker loads the model, runs one short warm-up of its task, and writes one JSON line per
 event to its stdout: {"event": "ready", ...}, then for each "run" line read on stdin
-{"event": "result", "wall_s", "counts", "finished_stop"} ("run NAME": the request set NAME); "quit" ends it. `counts` per request:
+{"event": "result", "wall_s", "counts", "finished_stop"} (json: also "texts") ("run NAME": the request
+set NAME); "quit" ends it. `counts` per request:
 output tokens (generate, json), prompt positions with logprobs (mcq), vector length (embed).
 vLLM's own logs go to stderr.
 """
@@ -96,7 +97,10 @@ def main(spec_path: str) -> None:
         outs, wall = run(request_sets[name] if name else requests)
         finished_stop = sum(getattr(o.outputs[0], "finish_reason", None) == "stop" for o in outs) \
             if task in ("generate", "json") else None
-        send({"event": "result", "wall_s": wall, "counts": [count(o) for o in outs], "finished_stop": finished_stop})
+        result = {"event": "result", "wall_s": wall, "counts": [count(o) for o in outs], "finished_stop": finished_stop}
+        if task == "json":  # evidence that the grammar held: the texts, for the bench to check
+            result["texts"] = [o.outputs[0].text for o in outs]
+        send(result)
 
 
 if __name__ == "__main__":
