@@ -317,8 +317,11 @@ def test_bench_embed_workload_runs_both_sides(ckpts):
     from nanoserve.bench.cli import main as bench_main
 
     report = bench_main(["--workload", "embed", "--model", ckpts["last"], "--num-seqs", "3", "--input-len", "8", "16",
-                         "--repeat", "1", "--st-batch-sizes", "2", "--no-warmup", "--device", "cpu"])
-    assert report["min_cosine_docs"] >= 0.9999 and report["min_cosine_queries"] >= 0.9999
+                         "--repeat", "1", "--st-batch-sizes", "2", "--no-warmup", "--device", "cpu",
+                         "--dtype", "float32"])
+    # Each side in its fastest dtype: sentence-transformers in float32 on AVX2-only CPUs, bf16 with avx512_bf16.
+    floor = 0.9999 if report["st_dtype"] == report["dtype"] == "float32" else 0.99
+    assert report["min_cosine_docs"] >= floor and report["min_cosine_queries"] >= floor
     assert report["min_cosine_cache_on_vs_off"] >= 0.9999
     assert report["query_prefix_cache_hit_rate"] > 0  # the shared instruction is served from the cache
     assert report["nanoserve_docs_per_s"] > 0 and report["st_docs_per_s"] > 0

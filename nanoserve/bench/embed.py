@@ -4,10 +4,11 @@ Two sets of texts, both sides given the same strings and tokenizing them the sam
 - a corpus of `--num-seqs` documents of `--input-len MIN MAX` tokens (decoded random token ids);
 - as many queries, each Qwen3-Embedding's instruction ("Instruct: ...\\nQuery: ") before a short
   query, run with nanoserve's prefix cache on and off (its hit rate and the speed ratio).
-sentence-transformers runs at each batch size of `--st-batch-sizes` and its best is compared;
-both run in the same dtype (float32 unless --dtype says otherwise: on AVX2-only CPUs bf16
-`F.linear` crawls), `--repeat` times alternating, median. Each side's vectors are checked
-against the other's (min cosine). With no --model the bench builds (once) a random-weight
+sentence-transformers runs at each batch size of `--st-batch-sizes` and its best is compared.
+Each side runs in its fastest dtype here (nanoserve: --dtype, bf16 by default, whose weights run
+the panel GEMM with float32 math on AVX2; sentence-transformers and vLLM: float32 on AVX2-only
+CPUs, where their bf16 `F.linear` crawls, else bf16), `--repeat` times, median. Each side's
+vectors are checked against the other's (min cosine). With no --model the bench builds (once) a random-weight
 checkpoint of Qwen3-Embedding-0.6B's exact shape with sentence-transformers files. With
 --compare vllm, vLLM's `runner="pooling"` embeds the same texts, median of --repeat.
 """
@@ -59,11 +60,12 @@ def make_texts(tokenizer, num: int, length: tuple[int, int], seed: int, prefix: 
     return texts
 
 
-def _dtype(args: argparse.Namespace, device: torch.device) -> str:
-    """The fastest dtype of both sides: bf16 only where the CPU has bf16 dot products (or on CUDA)."""
-    if args.dtype not in ("auto", "bfloat16") or device.type == "cuda":
-        return "bfloat16" if args.dtype == "auto" else args.dtype
-    return "bfloat16" if "avx512_bf16" in _cpuinfo()[1] else "float32"
+def _peer_dtype(device: torch.device) -> str:
+    """sentence-transformers' (and vLLM's) fastest dtype: bf16 only where the CPU has bf16 dot
+    products (or on CUDA); on AVX2-only CPUs their bf16 `F.linear` crawls, so float32."""
+    if device.type == "cuda" or "avx512_bf16" in _cpuinfo()[1]:
+        return "bfloat16"
+    return "float32"
 
 
 def _timed(fn):
@@ -144,8 +146,12 @@ def run_embed_bench(args: argparse.Namespace) -> dict:
     model = resolve_embedding_model(args.model, args.arch)
     device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
                           else "cpu")
-    dtype = _dtype(args, device)
-    report: dict = {"args": dict(vars(args)), "machine": machine_info(device), "dtype": dtype, "model": model}
+    # Each side in its fastest dtype on this machine: nanoserve's --dtype (bf16 weights run its panel
+    # GEMM with float32 math on AVX2), the peers' _peer_dtype.
+    dtype = _peer_dtype(device) if args.dtype == "auto" else args.dtype
+    st_dtype = _peer_dtype(device)
+    report: dict = {"args": dict(vars(args)), "machine": machine_info(device), "dtype": dtype, "st_dtype": st_dtype,
+                    "model": model}
     print(describe_machine(report["machine"]), flush=True)
     llm = _nanoserve(args, model, dtype, prefix_caching=not args.no_prefix_caching)
     report["engine"] = engine_description(llm)
@@ -181,7 +187,7 @@ def run_embed_bench(args: argparse.Namespace) -> dict:
 
     from sentence_transformers import SentenceTransformer
 
-    st = SentenceTransformer(model, device=str(device), model_kwargs={"dtype": getattr(torch, dtype)})
+    st = SentenceTransformer(model, device=str(device), model_kwargs={"dtype": getattr(torch, st_dtype)})
     sizes = tuple(args.st_batch_sizes or DEFAULT_ST_BATCH_SIZES)
     st_docs, bs_docs, st_docs_wall, st_doc_walls = _st_best(st, docs, sizes, args.repeat)
     st_q, bs_q, st_q_wall, _ = _st_best(st, queries, sizes, args.repeat)
@@ -199,7 +205,8 @@ def run_embed_bench(args: argparse.Namespace) -> dict:
         "min_cosine_cache_on_vs_off": _min_cosine(q_vecs, q_off_vecs),
     })
     r = report
-    print(f"\n| {dtype}, median of {args.repeat} | nanoserve | sentence-transformers (best batch) | ratio |\n"
+    print(f"\n| median of {args.repeat} | nanoserve ({dtype}) | sentence-transformers ({st_dtype}, best batch) | "
+          f"ratio |\n"
           f"|---|---|---|---|\n"
           f"| corpus docs/s | {r['nanoserve_docs_per_s']:.2f} | {r['st_docs_per_s']:.2f} (batch {bs_docs}) | "
           f"{r['nanoserve_docs_per_s'] / r['st_docs_per_s']:.2f}x |\n"
