@@ -11,6 +11,7 @@ from nanoserve.bench.checkpoints import available_archs, resolve_model
 from nanoserve.bench.experiments import WORKLOADS, bench_accuracy
 from nanoserve.bench.machine import describe_machine, machine_info
 from nanoserve.bench.peers.hf import HF_PATHS
+from nanoserve.bench.peers.llamacpp_setup import QUANTIZATIONS as LLAMACPP_QUANTIZATIONS
 from nanoserve.bench.peers.vllm import default_vllm_python
 from nanoserve.bench.report import finish_report
 from nanoserve.bench.workloads import PEER_WORKLOADS, PRESETS, WorkloadSpec, make_requests
@@ -64,9 +65,10 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                         "forces one int8 GEMM)")
 
     o = p.add_argument_group("comparison and output")
-    o.add_argument("--compare", action="append", choices=["hf", "vllm"],
-                   help="also run a peer on the same prompts (repeat the flag for both); hf with random and "
-                        "long-prompt, vllm also with json, mcq and embed")
+    o.add_argument("--compare", action="append", choices=["hf", "vllm", "llamacpp"],
+                   help="also run a peer on the same prompts (repeat the flag for several); hf and llamacpp with "
+                        "random and long-prompt (llamacpp: llama-batched-bench on GGUF conversions of the "
+                        "checkpoint, at the workload's mean lengths), vllm also with json, mcq and embed")
     o.add_argument("--repeat", type=int, default=1,
                    help="runs of nanoserve and each peer, alternating back to back; the ratio is their median")
     o.add_argument("--hf-paths", default="generate,cb", help=f"HF paths, comma separated: {', '.join(HF_PATHS)}")
@@ -79,6 +81,18 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     o.add_argument("--vllm-kv-cache-gib", type=float, default=4.0, help="VLLM_CPU_KVCACHE_SPACE (GiB)")
     o.add_argument("--vllm-timeout", type=float, default=3600.0,
                    help="seconds to wait for vLLM to load (it compiles on first use) or finish one run")
+    o.add_argument("--llamacpp-dir", default=os.environ.get("NANOSERVE_LLAMACPP_DIR"),
+                   help="llama.cpp build dir with llama-batched-bench and llama-quantize (built there if absent; "
+                        "default: $NANOSERVE_LLAMACPP_DIR, else the cache's llama.cpp-build, "
+                        "/work/peers/llama.cpp-build, the PATH)")
+    o.add_argument("--llamacpp-source", default=os.environ.get("NANOSERVE_LLAMACPP_SOURCE"),
+                   help="llama.cpp source (a checkout, or llama-cpp-python's source package .tar.gz or dir) for "
+                        "convert_hf_to_gguf.py and the build (default: the build's own source, else a package found "
+                        "in the cache dir or /work/peers)")
+    o.add_argument("--llamacpp-quants", default=",".join(LLAMACPP_QUANTIZATIONS),
+                   type=lambda s: [q.strip() for q in s.split(",") if q.strip()],
+                   help=f"GGUF types to run, comma separated, from {', '.join(LLAMACPP_QUANTIZATIONS)}; each is "
+                        "made once beside the checkpoint (<model>-gguf/)")
     o.add_argument("--st-batch-sizes", type=int, nargs="+",
                    help="embed: sentence-transformers batch sizes to try; its best is compared (default 4 16 32)")
     o.add_argument("--no-warmup", action="store_true")
@@ -113,6 +127,10 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
         if peer not in PEER_WORKLOADS.get(args.workload, ()):
             runs_with = [w for w, peers in PEER_WORKLOADS.items() if peer in peers]
             p.error(f"--compare {peer} runs with --workload {' or '.join(runs_with)}")
+    unknown = [q for q in args.llamacpp_quants if q not in LLAMACPP_QUANTIZATIONS]
+    if unknown or not args.llamacpp_quants:
+        p.error(f"--llamacpp-quants takes {', '.join(LLAMACPP_QUANTIZATIONS)} (comma separated), got "
+                f"{','.join(args.llamacpp_quants) or 'nothing'}")
     if args.model is not None and args.arch is not None:
         p.error("pass --model PATH or --arch NAME, not both")
     if args.arch is not None and args.arch not in available_archs():

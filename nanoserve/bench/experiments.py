@@ -22,7 +22,7 @@ from nanoserve.bench.model_shape import ModelShape
 from nanoserve.bench.peers import PeerUnavailable
 from nanoserve.bench.peers.start import close_peers, make_vllm_peer, peer_settings, start_peers, start_vllm
 from nanoserve.bench.profiler import profile_steps
-from nanoserve.bench.report import compare, fmt_ms, print_roofline, print_run
+from nanoserve.bench.report import compare, fmt_ms, print_roofline, print_run, print_table
 from nanoserve.bench.results import RunResult, summarize
 from nanoserve.bench.roofline import Roofline, measure_roofline
 from nanoserve.bench.structured import bench_json
@@ -106,6 +106,7 @@ def bench_throughput(args: argparse.Namespace, requests: list[Request], report: 
     report["nanoserve"] = [r.as_dict() for r in ours]
     report["peers"] = {name: [r.as_dict() for r in runs] for name, runs in theirs.items()}
     report["comparison"] = compare(ours, theirs)
+    report["table"] = print_table({"nanoserve": ours, **theirs})
     if args.workload == "long-prompt":
         report["prefix_hit_probe"] = prefix_hit_probe(llm, requests, args, roof)
 

@@ -39,6 +39,8 @@ def print_run(res: RunResult) -> None:
         print(f"decode step         {res.decode_step_ms:.1f} ms median")
     if res.prefill_tok_s is not None:
         print(f"prefill-only steps  {res.prefill_tok_s:.0f} tok/s")
+    if res.decode_tok_s is not None:
+        print(f"decode-only steps   {res.decode_tok_s:.1f} tok/s")
     if res.model_flops:
         print(f"model FLOP/s        {res.achieved_flops / 1e9:.1f} GFLOP/s")
     if res.floor_s is not None:
@@ -74,6 +76,28 @@ def print_instruction_peaks(figures: dict) -> None:
         print(f"  C GEMMs at {rows} rows: " + ", ".join(
             f"{name} {v['flops'] / 1e9:.1f} GFLOP/s = {v['of_peak']:.0%} of {INSTRUCTIONS[PATH_INSTRUCTION[name]]}"
             for name, v in per_path.items()))
+
+
+def print_table(runs: dict[str, list[RunResult]]) -> list[dict]:
+    """One row per engine (nanoserve and each peer): the median over repeats of output tok/s
+    (generated tokens / whole-run time), prefill tok/s and decode tok/s (pure prefill / decode steps)."""
+    def median(values: list[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return statistics.median(known) if known else None
+
+    def cell(v: float | None) -> str:
+        return f"{v:.1f}" if v is not None else ""
+
+    rows = [{"engine": name, "output_tok_s": median([r.output_tok_s for r in rs]),
+             "prefill_tok_s": median([r.prefill_tok_s for r in rs]),
+             "decode_tok_s": median([r.decode_tok_s for r in rs]), "repeats": len(rs)}
+            for name, rs in runs.items() if rs]
+    print("\n| engine | output tok/s | prefill tok/s | decode tok/s |\n|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['engine']} | {cell(row['output_tok_s'])} | {cell(row['prefill_tok_s'])} | "
+              f"{cell(row['decode_tok_s'])} |")
+    print(f"(median of {max(r['repeats'] for r in rows)} runs each)" if rows else "")
+    return rows
 
 
 def compare(ours: list[RunResult], peer_runs: dict[str, list[RunResult]]) -> dict[str, dict]:

@@ -41,6 +41,7 @@ class RunResult:
     model_flops: float = 0.0
     decode_step_ms: float | None = None
     prefill_tok_s: float | None = None
+    decode_tok_s: float | None = None  # tokens sampled in pure-decode steps / their time
     # The roofline model of the run (see roofline.py): the sum of per-step floors.
     floor_s: float | None = None
     decode_s: float | None = None  # time spent in pure-decode steps
@@ -93,6 +94,8 @@ def summarize(name: str, requests: list[Request], run: EngineRun, roof: Roofline
         prefill_tok_s=(sum(s.num_prefill_tokens for s in prefill) / sum(s.elapsed for s in prefill)
                        if prefill else None),
         decode_s=sum(s.elapsed for s in decode) if decode else None,
+        decode_tok_s=(sum(s.num_decode_tokens for s in decode) / sum(s.elapsed for s in decode)
+                      if decode else None),
     )
     if roof is not None:
         res.model_flops = sum(roof.shape.step_cost(s.entries, roof.itemsize).flops for s in run.steps)

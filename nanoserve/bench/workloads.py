@@ -33,7 +33,7 @@ MCQ_CHOICES = 4
 
 # Workloads whose requests all arrive at once: a peer engine (HF, vLLM) can run them as one batch.
 # Which peers each workload runs side by side (--compare); the others compare nanoserve settings.
-PEER_WORKLOADS = {"random": ("hf", "vllm"), "long-prompt": ("hf", "vllm"), "json": ("vllm",), "mcq": ("vllm",),
+PEER_WORKLOADS = {"random": ("hf", "vllm", "llamacpp"), "long-prompt": ("hf", "vllm", "llamacpp"), "json": ("vllm",), "mcq": ("vllm",),
                   "embed": ("vllm",)}
 
 

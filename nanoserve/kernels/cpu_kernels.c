@@ -460,10 +460,13 @@ __attribute__((optimize("fp-contract=off"))) void qk_norm_rope_bf16(const uint16
 /* ------------------------------------------------------------------------------------------ */
 /* Small-M GEMM with bf16 weights: y[M,N] = x[M,K] . w[N,K]^T (+ bias), x and y float32.       */
 /* The weight is packed once into panels of 16 output columns, [N/16][K][16] bf16 (zero-padded */
-/* past N), so at every k one panel row is two contiguous vectors of 8 weights, widened to     */
-/* float32 in registers. Tiles of up to 6 rows x 16 columns keep 12 accumulators and compute   */
-/* outer products: each x value is broadcast once and meets both weight vectors (no horizontal */
-/* sums). 12 FMAs per 2 widened weight vectors and 6 broadcasts keeps the FMA units busy.      */
+/* past N), so at every k one panel row is one 32-byte load, widened to two float32 vectors in */
+/* registers with one op each (panel_slot says how). Tiles of up to 6 rows x 16 columns keep   */
+/* 12 accumulators and compute outer products: each x value is broadcast once and meets both   */
+/* weight vectors (no horizontal sums). 12 FMAs per 2 widened weight vectors and 6 broadcasts  */
+/* keeps the FMA units busy. On Zen 1 (a 256-bit op is two 128-bit halves) the widening is the */
+/* margin: zero-extend + shift per 8 weights held the tile at ~70% of the FMA peak, one shift  */
+/* or one and per 8 weights at ~85% (single core, CPU time, 16-256 rows).                      */
 
 int panel_gemm_supported(void) {
 #if defined(__AVX2__) && defined(__FMA__)
@@ -478,6 +481,11 @@ int panel_gemm_supported(void) {
 #define ROW_BLOCK 256 /* rows of x per pass over the weights (measured best of 48-512 on 2 Zen 3 cores) */
 #endif
 
+/* Where column j of a panel sits in its 16-weight row: columns 0-7 in the even slots, 8-15 in the
+   odd ones. Read as 8 32-bit lanes, a row then widens to float32 in two cheap ops: lane << 16 is
+   column j (even slot), lane & 0xffff0000 is column 8 + j (odd slot). */
+static inline int64_t panel_slot(int64_t j) { return j < PANEL / 2 ? 2 * j : 2 * (j - PANEL / 2) + 1; }
+
 /* w [N, K] bf16 -> panels [ceil(N / 16), K, 16] bf16, padded with zeros. */
 void pack_bf16_panels(const uint16_t *w, int64_t N, int64_t K, uint16_t *panels, int num_threads) {
     const int64_t num_panels = (N + PANEL - 1) / PANEL;
@@ -486,22 +494,18 @@ void pack_bf16_panels(const uint16_t *w, int64_t N, int64_t K, uint16_t *panels,
         uint16_t *dst = panels + p * K * PANEL;
         for (int64_t j = 0; j < PANEL; j++) {
             const int64_t n = p * PANEL + j;
+            const int64_t slot = panel_slot(j);
             if (n < N) {
                 const uint16_t *src = w + n * K;
-                for (int64_t k = 0; k < K; k++) dst[k * PANEL + j] = src[k];
+                for (int64_t k = 0; k < K; k++) dst[k * PANEL + slot] = src[k];
             } else {
-                for (int64_t k = 0; k < K; k++) dst[k * PANEL + j] = 0;
+                for (int64_t k = 0; k < K; k++) dst[k * PANEL + slot] = 0;
             }
         }
     }
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-static inline __m256 widen_bf16x8(const uint16_t *p) {
-    const __m128i h = _mm_loadu_si128((const __m128i *)p);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
 static inline void store_tile_row(float *yr, __m256 lo, __m256 hi, int64_t n0, int64_t nn, const float *bias) {
     float out[PANEL];
     _mm256_storeu_ps(out, lo);
@@ -518,9 +522,11 @@ static inline __attribute__((always_inline)) void panel_tile(const int mb, const
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
     __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
     const float *x0 = x + m0 * K, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K, *x4 = x3 + K, *x5 = x4 + K;
+    const __m256i hi_half = _mm256_set1_epi32((int)0xffff0000);
     for (int64_t k = 0; k < K; k++) {
-        const __m256 w0 = widen_bf16x8(panel + k * PANEL);
-        const __m256 w1 = widen_bf16x8(panel + k * PANEL + 8);
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(panel + k * PANEL));
+        const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));       /* columns 0-7 */
+        const __m256 w1 = _mm256_castsi256_ps(_mm256_and_si256(v, hi_half));   /* columns 8-15 */
         __m256 b = _mm256_broadcast_ss(x0 + k);
         c00 = _mm256_fmadd_ps(b, w0, c00), c01 = _mm256_fmadd_ps(b, w1, c01);
         if (mb > 1) b = _mm256_broadcast_ss(x1 + k), c10 = _mm256_fmadd_ps(b, w0, c10), c11 = _mm256_fmadd_ps(b, w1, c11);

@@ -1,4 +1,5 @@
-"""Peer engines run on the same prompts and lengths as nanoserve: HF transformers and vLLM's CPU backend.
+"""Peer engines run on the same prompts and lengths as nanoserve: HF transformers, vLLM's CPU backend
+and llama.cpp (its batched-bench at the workload's mean lengths).
 
 Each peer is started once (load, warm-up), then `run()` as many times as the comparison repeats,
 so the repeats of nanoserve and its peers alternate back to back in one process run.

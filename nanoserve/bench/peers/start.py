@@ -84,6 +84,10 @@ def _make(kind: str, args: argparse.Namespace, settings: PeerSettings, requests:
 
         paths = [p.strip() for p in args.hf_paths.split(",") if p.strip()]
         return hf_peers(settings, requests, paths, args.hf_batch_size, roof)
+    if kind == "llamacpp":
+        from nanoserve.bench.peers.llamacpp import llamacpp_peers
+
+        return llamacpp_peers(settings, requests, args.llamacpp_quants, args.llamacpp_dir, args.llamacpp_source, roof)
     return [make_vllm_peer(args, settings, requests, roof)]
 
 
