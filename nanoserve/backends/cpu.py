@@ -10,6 +10,8 @@ GEMMs (nanoserve/kernels/cpu_gemm.py), chosen once at startup:
                (LM head included), the kernels of cpu_int8.c: W8A16 (int8 weights widened to float32
                in registers, float32 math) by default; W8A8 (activations quantized per token, int16
                multiply-adds) on request, see w8a8_min_rows for why not by default.
+               The same kernels run a pre-quantized checkpoint's integer layers (GPTQ, AWQ,
+               compressed-tensors) with its group scales; its float layers take the path above.
 Products of bf16 values are exact in float32 and every path accumulates in float32, so rounding to
 bf16 gives a bf16 GEMM's answer up to summation order.
 
@@ -38,6 +40,7 @@ from nanoserve.kernels import cpu_attention, cpu_kernels
 from nanoserve.kernels.cpu_gemm import BucketedLinear, Int8Gemm, OneDNNGemm, PanelGemm
 from nanoserve.kernels.cpu_int8 import Int8Kernels
 from nanoserve.kernels.paged_attention import paged_attention_decode_torch, paged_attention_varlen_torch
+from nanoserve.quantization.weight import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -148,13 +151,16 @@ class CPUBackend(Backend):
         self.kernels = cpu_kernels.CPUKernels(lib) if lib is not None else None
         self.attention_lib = lib if self.options.attention == "auto" and dtype in cpu_attention.DTYPE_CODES else None
         self.gemm = choose_gemm(self.options.gemm, dtype, self.kernels)
+        # The int8 GEMMs: every linear with quantization="int8", a pre-quantized checkpoint's
+        # integer weights (prepare_quantized_linear) otherwise.
         self.int8 = None
+        if self.kernels is not None and self.kernels.lib.int8_gemm_supported():
+            self.int8 = Int8Kernels(self.kernels.lib)
+        self.w8a8_min_rows = w8a8_min_rows(self.options.int8)
         if quantization == "int8":
-            if self.kernels is None or not self.kernels.lib.int8_gemm_supported():
+            if self.int8 is None:
                 raise ValueError("quantization='int8' needs the CPU kernels built with AVX2 and FMA "
                                  "(a C compiler, NANOSERVE_CPU_KERNELS=1)")
-            self.int8 = Int8Kernels(self.kernels.lib)
-            self.w8a8_min_rows = w8a8_min_rows(self.options.int8)
             self.gemm = "int8"
         self.packs_weights = self.gemm != "native"
         # Attention without the C kernels: widen where bf16/fp16 matmuls are slow.
@@ -164,7 +170,7 @@ class CPUBackend(Backend):
     def describe(self) -> dict[str, str]:
         attention = "C paged attention" if self.attention_lib is not None else "torch SDPA"
         gemm = self.gemm
-        if self.int8 is not None:
+        if self.gemm == "int8":
             gemm = ("int8 W8A16" if self.w8a8_min_rows is None else "int8 W8A8" if self.w8a8_min_rows <= 1
                     else f"int8 W8A16 below {self.w8a8_min_rows} rows, W8A8 from there")
         return {"backend": self.name, "gemm": gemm, "attention": attention,
@@ -176,7 +182,14 @@ class CPUBackend(Backend):
         return self._gemm(weight, bias, None)
 
     def prepare_logits(self, weight: torch.Tensor) -> LinearFn:
-        return self._gemm(weight, None, torch.float32)  # each path's float32 result, not rounded and widened
+        return self._gemm(weight, None, torch.float32)
+
+    def prepare_quantized_linear(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> LinearFn:
+        """A checkpoint's integer weights through the int8 GEMMs as they are (exact: no requantization);
+        without the kernels, dequantized into the float path."""
+        if self.int8 is None:
+            return super().prepare_quantized_linear(weight, bias)
+        return Int8Gemm(weight, bias, self.int8, self.w8a8_min_rows)  # each path's float32 result, not rounded and widened
 
     def _gemm(self, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None) -> LinearFn:
         if self.gemm == "int8":
