@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from helpers import random_prompts
 from nanoserve import LLM, SamplingParams
-from nanoserve.kernels.cpu_gemm import Int8Gemm
+from nanoserve.kernels.cpu_gemm import Int4Gemm, Int8Gemm
 from nanoserve.quantization.checkpoint import open_checkpoint
 from nanoserve.quantization.pack import write_quantized_checkpoint
 from nanoserve.quantization.weight import QuantizedWeight
@@ -82,14 +82,23 @@ def test_decoded_weights_are_exactly_what_the_packer_encoded(checkpoints, name):
         assert torch.equal(got, want), weight_name
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_greedy_tokens_equal_hf_on_the_dequantized_weights(checkpoints, hf, name):
+def _int4(name: str) -> bool:
+    kind, options = CASES[name]
+    return kind in ("gptq", "awq", "ct-pack") and options.get("bits", 4) == 4
+
+
+@pytest.mark.parametrize("name, int8_path", [(name, "auto") for name in CASES] + [("gptq-asym-act-order", "w8a16")])
+def test_greedy_tokens_equal_hf_on_the_dequantized_weights(checkpoints, hf, monkeypatch, name, int8_path):
+    """int4 checkpoints run W4A16 by default, their integers through the int8 kernels with
+    NANOSERVE_CPU_INT8=w8a16, 8-bit ones the int8 kernels; all exact, so HF's tokens."""
+    monkeypatch.setenv("NANOSERVE_CPU_INT8", int8_path)
     path, twin, _ = checkpoints[name]
     llm = LLM(path, **ENGINE)
     assert llm.engine.config.quantization == METHODS[CASES[name][0]]
     gemms = [m.gemm for m in llm.engine.model_runner.model.modules() if hasattr(m, "make_quantized")]
     if llm.engine.model_runner.backend.int8 is not None and name != "fp8":  # the integers run as they are
-        assert gemms and all(isinstance(g, Int8Gemm) for g in gemms)
+        expected = Int4Gemm if _int4(name) and int8_path == "auto" else Int8Gemm
+        assert gemms and all(type(g) is expected for g in gemms)
         assert any(g.perm is not None for g in gemms) == CASES[name][1].get("act_order", False)
     prompts = random_prompts(3, 4, 12, seed=7)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
@@ -115,10 +124,11 @@ def test_mixed_checkpoints_load_with_the_float_modules_as_float(model_dirs, hf, 
     llm = LLM(dst, **ENGINE)
     model = llm.engine.model_runner.model
     if llm.engine.model_runner.backend.int8 is not None:
-        assert isinstance(model.model.layers[0].mlp.down_proj.gemm, Int8Gemm)
-        assert not isinstance(model.model.layers[1].mlp.down_proj.gemm, Int8Gemm)
-        assert not isinstance(model.model.layers[0].self_attn.qkv_proj.gemm, Int8Gemm)
-        assert isinstance(model.model.layers[1].self_attn.qkv_proj.gemm, Int8Gemm)
+        layers = model.model.layers
+        assert isinstance(layers[0].mlp.down_proj.gemm, Int4Gemm)
+        assert isinstance(layers[1].self_attn.qkv_proj.gemm, Int4Gemm)
+        assert not isinstance(layers[1].mlp.down_proj.gemm, (Int4Gemm, Int8Gemm))
+        assert not isinstance(layers[0].self_attn.qkv_proj.gemm, (Int4Gemm, Int8Gemm))
     prompt = [5, 9, 14, 3, 77]
     out = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)
     assert list(out[0].outputs[0].token_ids) == hf.greedy(twin, prompt, GREEDY.max_tokens)

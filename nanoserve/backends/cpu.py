@@ -23,7 +23,9 @@ Switches, read once at startup (`CPUOptions.from_env`):
   NANOSERVE_CPU_KERNELS=1|0             build and use the C kernels
   NANOSERVE_CPU_ATTENTION=auto|torch    the C attention kernels, or the torch reference
   VLLM_BATCH_INVARIANT=1                batch-invariant kernels (as LLM(batch_invariant=True))
-  NANOSERVE_CPU_INT8=auto|w8a16|w8a8    with quantization="int8": the default (W8A16), or one path always
+  NANOSERVE_CPU_INT8=auto|w8a16|w8a8    with quantization="int8": the default (W8A16), or one path always;
+                                        for an int4 checkpoint, auto runs W4A16 and the others its
+                                        integers through that int8 path
 """
 from __future__ import annotations
 
@@ -37,8 +39,8 @@ import torch
 from nanoserve.backends.base import Backend, LinearFn
 from nanoserve.backends.metadata import AttentionMetadata
 from nanoserve.kernels import cpu_attention, cpu_kernels
-from nanoserve.kernels.cpu_gemm import BucketedLinear, Int8Gemm, OneDNNGemm, PanelGemm
-from nanoserve.kernels.cpu_int8 import Int8Kernels
+from nanoserve.kernels.cpu_gemm import BucketedLinear, Int4Gemm, Int8Gemm, OneDNNGemm, PanelGemm
+from nanoserve.kernels.cpu_int8 import Int4Kernels, Int8Kernels, fits_int4
 from nanoserve.kernels.paged_attention import paged_attention_decode_torch, paged_attention_varlen_torch
 from nanoserve.quantization.weight import QuantizedWeight
 
@@ -153,9 +155,9 @@ class CPUBackend(Backend):
         self.gemm = choose_gemm(self.options.gemm, dtype, self.kernels)
         # The int8 GEMMs: every linear with quantization="int8", a pre-quantized checkpoint's
         # integer weights (prepare_quantized_linear) otherwise.
-        self.int8 = None
+        self.int8 = self.int4 = None
         if self.kernels is not None and self.kernels.lib.int8_gemm_supported():
-            self.int8 = Int8Kernels(self.kernels.lib)
+            self.int8, self.int4 = Int8Kernels(self.kernels.lib), Int4Kernels(self.kernels.lib)
         self.w8a8_min_rows = w8a8_min_rows(self.options.int8)
         if quantization == "int8":
             if self.int8 is None:
@@ -185,10 +187,13 @@ class CPUBackend(Backend):
         return self._gemm(weight, None, torch.float32)
 
     def prepare_quantized_linear(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> LinearFn:
-        """A checkpoint's integer weights through the int8 GEMMs as they are (exact: no requantization);
-        without the kernels, dequantized into the float path."""
+        """A checkpoint's integers as they are (exact: no requantization): 4-bit ones through W4A16
+        (half the int8 bytes) unless NANOSERVE_CPU_INT8 names an int8 path, the others through the
+        int8 GEMMs; without the kernels, dequantized into the float path."""
         if self.int8 is None:
             return super().prepare_quantized_linear(weight, bias)
+        if self.options.int8 == "auto" and fits_int4(weight.qweight, weight.group_size):
+            return Int4Gemm(weight, bias, self.int4)
         return Int8Gemm(weight, bias, self.int8, self.w8a8_min_rows)  # each path's float32 result, not rounded and widened
 
     def _gemm(self, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None) -> LinearFn:

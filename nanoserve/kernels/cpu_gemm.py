@@ -14,6 +14,9 @@
                int16 multiply-adds) from there on. A pre-quantized checkpoint's integers
                (nanoserve/quantization) run through the same kernels as they are, with the
                format's group scales.
+  Int4Gemm     a pre-quantized int4 checkpoint (GPTQ, AWQ, compressed-tensors): 4-bit weights with
+               group zero points and scales, half the int8 bytes, widened to float32 in registers
+               (W4A16, cpu_int8.c), exact: q - z as the checkpoint stores it.
 
 oneDNN keeps state for every distinct row count it sees, so resident memory grows without bound
 when each step has a new token count; the oneDNN and F.linear paths therefore pad the rows to a
@@ -25,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nanoserve.kernels.cpu_int8 import Int8Kernels, quantize_weight_int8
+from nanoserve.kernels.cpu_int8 import Int4Kernels, Int8Kernels, pack_int4, quantize_weight_int8, split_int4
 from nanoserve.kernels.cpu_kernels import CPUKernels
 from nanoserve.quantization.weight import QuantizedWeight
 
@@ -113,4 +116,21 @@ class Int8Gemm:
             x2 = x2.index_select(1, self.perm)  # groups contiguous, as the weight was packed
         w8a8 = self.w8a8_min_rows is not None and x2.shape[0] >= self.w8a8_min_rows
         y = (self.kernels.w8a8 if w8a8 else self.kernels.w8a16)(x2, self.weight, self.bias)
+        return y.view(*x.shape[:-1], y.shape[-1]).to(self.out_dtype or x.dtype)
+
+
+class Int4Gemm:
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, kernels: Int4Kernels,
+                 out_dtype: torch.dtype | None = None) -> None:
+        """weight: a checkpoint's integers that fit 4 bits per group (cpu_int8.fits_int4)."""
+        self.kernels, self.out_dtype, self.perm = kernels, out_dtype, weight.perm
+        q, zeros = split_int4(weight.qweight, weight.group_size)
+        self.weight = pack_int4(q, zeros, weight.scales, weight.group_size)
+        self.bias = bias.detach().float().contiguous() if bias is not None else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)  # [rows, in]
+        if self.perm is not None:
+            x2 = x2.index_select(1, self.perm)  # groups contiguous, as the weight was packed
+        y = self.kernels.w4a16(x2, self.weight, self.bias)
         return y.view(*x.shape[:-1], y.shape[-1]).to(self.out_dtype or x.dtype)
