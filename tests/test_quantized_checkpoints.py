@@ -120,7 +120,8 @@ def test_bf16_engine_runs_an_int4_checkpoint_close_to_its_float_twin(checkpoints
 def test_mixed_checkpoints_load_with_the_float_modules_as_float(model_dirs, hf, tmp_path):
     """Layer 1's MLP left in float, and layer 0's k_proj alone: that fused q/k/v layer loads dequantized."""
     dst, twin = str(tmp_path / "mixed"), str(tmp_path / "mixed-float")
-    write_quantized_checkpoint(model_dirs["untied-gqa4"], dst, "gptq", twin, skip=(r"layers\.1\.mlp", r"layers\.0\.self_attn\.k_proj"))
+    skip = (r"layers\.1\.mlp", r"layers\.0\.self_attn\.k_proj")
+    write_quantized_checkpoint(model_dirs["untied-gqa4"], dst, "gptq", twin, skip=skip)
     llm = LLM(dst, **ENGINE)
     model = llm.engine.model_runner.model
     if llm.engine.model_runner.backend.int8 is not None:
@@ -161,7 +162,8 @@ def test_compressed_tensors_library_decompresses_to_the_same_weights(checkpoints
 # ---- tensor parallelism -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind, options", [("gptq", dict(group_size=16)), ("gptq", dict(sym=False, version=2, group_size=-1))])
+@pytest.mark.parametrize("kind, options", [("gptq", dict(group_size=16)),
+                                           ("gptq", dict(sym=False, version=2, group_size=-1))])
 def test_tensor_parallel_shards_quantized_layers_on_group_boundaries(model_dirs, tmp_path, kind, options):
     """Groups of 16 split evenly (each rank: 48 of 96 hidden inputs, 80 of 160 MLP ones); per channel,
     every rank scales its partial sums by the whole channel's scale."""

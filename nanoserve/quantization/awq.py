@@ -52,7 +52,7 @@ class AWQ(QuantFormat):
     def suffixes(self, metas):
         return ("qweight", "qzeros", "scales")
 
-    def check(self, module: str, metas: dict[str, TensorMeta]) -> ModuleSpec:
+    def check(self, module: str, metas: dict[str, TensorMeta], read=None) -> ModuleSpec:
         qweight = metas["qweight"]
         require(metas, module, ("qzeros", "scales"), qweight.path)
         if qweight.dtype != I32 or len(qweight.shape) != 2:

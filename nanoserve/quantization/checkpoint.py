@@ -97,11 +97,7 @@ class QuantizedCheckpoint:
         for module, metas in sorted(by_module.items()):
             if not fmt.is_quantized(module, metas):
                 continue
-            if isinstance(fmt, CompressedTensors):
-                spec = fmt.check(module, metas, read=lambda s, m=metas: _read_one(m[s]))
-            else:
-                spec = fmt.check(module, metas)
-            self.specs[module] = spec
+            self.specs[module] = fmt.check(module, metas, read=lambda suffix, m=metas: _read_one(m[suffix]))
             self._suffixes[module] = fmt.suffixes(metas)
             self._metas[module] = metas
         if not self.specs:

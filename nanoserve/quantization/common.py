@@ -16,7 +16,6 @@ from nanoserve.quantization.weight import QuantizedWeight
 
 # safetensors' dtype names (the header's) of the tensors the readers meet
 I32, I8, I64, F32, F16, BF16, F8_E4M3 = "I32", "I8", "I64", "F32", "F16", "BF16", "F8_E4M3"
-FLOAT_DTYPES = (F32, F16, BF16)
 
 
 @dataclass(frozen=True)
@@ -134,7 +133,9 @@ class QuantFormat:
     def is_quantized(self, module: str, metas: dict[str, TensorMeta]) -> bool:
         return self.marker in metas
 
-    def check(self, module: str, metas: dict[str, TensorMeta]) -> ModuleSpec:
+    def check(self, module: str, metas: dict[str, TensorMeta], read=None) -> ModuleSpec:
+        """The module's shape and grouping, its headers checked against the config. read(suffix)
+        returns one of its (small) tensors, for a format that stores shapes as data."""
         raise NotImplementedError
 
     def decode(self, module: str, tensors: dict[str, torch.Tensor], metas: dict[str, TensorMeta],

@@ -39,7 +39,7 @@ class FP8(QuantFormat):
     def suffixes(self, metas):
         return ("weight", "weight_scale_inv")
 
-    def check(self, module: str, metas: dict[str, TensorMeta]) -> ModuleSpec:
+    def check(self, module: str, metas: dict[str, TensorMeta], read=None) -> ModuleSpec:
         scale = metas["weight_scale_inv"]
         require(metas, module, ("weight",), scale.path)
         weight = metas["weight"]

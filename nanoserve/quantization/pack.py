@@ -99,17 +99,15 @@ def ct_pack_quantized(w: torch.Tensor, bits=4, group_size=32, sym=True, act_orde
     group = k if group_size == -1 else group_size
     g_idx = grouping(k, group, act_order, seed=k + seed)
     q, z, s = quantize_groups(w, bits, group, sym, g_idx)
-    offset = 1 << (bits - 1)  # unsigned q - offset is the signed value; packed offset-binary, i.e. q itself
-    tensors = {
+    tensors = {  # offset-binary: the signed value q - 2**(bits-1) is stored as q itself (and so is the zero point)
         "weight_packed": pack_fields(q, bits, dim=1),
         "weight_scale": s.half(),
         "weight_shape": torch.tensor([n, k], dtype=torch.int64),
     }
     if not sym:
-        tensors["weight_zero_point"] = pack_fields(z, bits, dim=0)  # signed zp + offset = z
+        tensors["weight_zero_point"] = pack_fields(z, bits, dim=0)  # packed along N
     if act_order:
         tensors["weight_g_idx"] = g_idx.to(torch.int32)
-    del offset
     return tensors, ((q - z[:, g_idx]) * s[:, g_idx]).float()
 
 
@@ -185,8 +183,8 @@ def write_quantized_checkpoint(src: str, dst: str, kind: str, float_dst: str | N
         config = json.load(f)
     qcfg_options = {k: v for k, v in options.items() if k in ("bits", "group_size", "sym", "act_order", "version",
                                                               "block", "w8a8")}
-    for out, weights, cfg in ((dst, packed, {**config, "quantization_config": quantization_config(kind, **qcfg_options)}),
-                              (float_dst, twin, {**config, "torch_dtype": "float32"})):
+    quantized_config = {**config, "quantization_config": quantization_config(kind, **qcfg_options)}
+    for out, weights, cfg in ((dst, packed, quantized_config), (float_dst, twin, {**config, "torch_dtype": "float32"})):
         if out is None:
             continue
         os.makedirs(out, exist_ok=True)
@@ -197,3 +195,31 @@ def write_quantized_checkpoint(src: str, dst: str, kind: str, float_dst: str | N
         with open(os.path.join(out, "config.json"), "w") as f:
             json.dump(cfg, f, indent=2)
     return dequantized
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m nanoserve.quantization.pack SRC DST --kind gptq [--group-size 128] ...: a float
+    checkpoint written in a quantized format (round to nearest), e.g. for bench.py --model DST."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m nanoserve.quantization.pack", description=main.__doc__)
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--kind", choices=list(PACKERS), default="gptq")
+    p.add_argument("--bits", type=int, default=4)
+    p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--asym", action="store_true", help="zero points per group (GPTQ, compressed-tensors)")
+    p.add_argument("--act-order", action="store_true", help="GPTQ desc_act / compressed-tensors actorder group")
+    p.add_argument("--float-twin", help="also write the dequantized float32 weights here")
+    args = p.parse_args(argv)
+    options = {"gptq": dict(bits=args.bits, group_size=args.group_size, sym=not args.asym, act_order=args.act_order),
+               "awq": dict(group_size=args.group_size),
+               "ct-pack": dict(bits=args.bits, group_size=args.group_size, sym=not args.asym,
+                               act_order=args.act_order),
+               "ct-int8": {}, "fp8": {}}[args.kind]
+    write_quantized_checkpoint(args.src, args.dst, args.kind, args.float_twin, **options)
+    print(f"wrote {args.dst} ({args.kind}, {options})")
+
+
+if __name__ == "__main__":
+    main()
