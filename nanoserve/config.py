@@ -11,6 +11,7 @@ from nanoserve.backends import BACKEND_NAMES as ATTENTION_BACKENDS
 from nanoserve.checkpoint import read_json
 from nanoserve.models import model_class, sliding_window
 from nanoserve.pooling.config import PoolerConfig, Pooling, resolve_pooling, resolve_runner
+from nanoserve.quantization.checkpoint import resolve_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -20,7 +21,6 @@ DTYPES = ("auto", *TORCH_DTYPES)
 # vLLM's spellings of the same dtypes (torch.dtype values are accepted too).
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 DEVICES = ("auto", "cpu", "cuda")
-QUANTIZATIONS = (None, "int8")  # int8: weights quantized at load, CPU backend (nanoserve/backends/cpu.py)
 WEIGHT_SUFFIXES = (".safetensors",)
 # Weights in pickle files: unpickling runs arbitrary code, so they are never read.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -55,7 +55,10 @@ class Config:
     # A request's tokens and logprobs bit-identical whatever else shares its steps (README "Scoring");
     # also turned on by vLLM's env VLLM_BATCH_INVARIANT=1.
     batch_invariant: bool = False
-    quantization: str | None = None  # "int8": per-channel int8 weights quantized at load (CPU only)
+    # "int8": per-channel int8 weights quantized at load (CPU only); a pre-quantized checkpoint's
+    # format ("gptq", "awq", "compressed-tensors", "fp8") is read from its config.json (None or the
+    # same name may be passed, as in vLLM), and set here after validation.
+    quantization: str | None = None
     # "generate", "pooling" (embeddings: nanoserve/pooling) or "auto" (by architecture name, as vLLM).
     runner: str = "auto"
     pooler_config: PoolerConfig | dict | None = None  # overrides the checkpoint's pooling (runner="pooling")
@@ -71,6 +74,7 @@ class Config:
         self._check_ints()
         source = os.path.join(self.model, "config.json")
         self.hf_config = read_json(source)
+        self.quantization = resolve_quantization(self.quantization, self.hf_config, source)
         # The architecture's own checks of the fields it reads, and that they shard over the ranks.
         model_class(self.hf_config, source).check_config(self.hf_config, source, self.tensor_parallel_size)
         max_pos = int(self.hf_config.get("max_position_embeddings", 4096))
@@ -153,12 +157,6 @@ class Config:
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(
-                f"quantization={self.quantization!r} is not supported (one of {QUANTIZATIONS}: 'int8' quantizes a "
-                "float checkpoint's weights at load; pre-quantized GPTQ, AWQ, compressed-tensors or FP8 "
-                "checkpoints are not loaded)"
-            )
         if not self.cpu_kvcache_space_gib > 0:
             raise ValueError(f"cpu_kvcache_space_gib must be > 0, got {self.cpu_kvcache_space_gib}")
 

@@ -20,6 +20,7 @@ from nanoserve.backends.metadata import AttentionMetadata
 from nanoserve.kernels.fused_moe import grouped_experts
 from nanoserve.kernels.paged_attention import paged_attention_decode_torch, paged_attention_varlen_torch
 from nanoserve.kernels.store_kv import store_kv_torch
+from nanoserve.quantization.weight import QuantizedWeight
 
 LinearFn = Callable[[torch.Tensor], torch.Tensor]
 # (x [num_tokens, hidden], topk_weights [num_tokens, top_k], topk_ids [num_tokens, top_k]) -> [num_tokens, hidden]
@@ -49,6 +50,12 @@ class Backend:
     def prepare_linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearFn:
         """Called once per linear layer after its weights are loaded; returns x -> x @ weight.T + bias."""
         return partial(F.linear, weight=weight, bias=bias)
+
+    def prepare_quantized_linear(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> LinearFn:
+        """A pre-quantized checkpoint's linear layer (int8 values, group scales). Here it is
+        dequantized once into the model dtype and runs like any float weight; a backend with
+        integer kernels runs the integers."""
+        return self.prepare_linear(weight.dequantize().to(self.dtype), bias)
 
     def prepare_logits(self, weight: torch.Tensor) -> LinearFn:
         """The LM head: hidden states -> float32 logits (what the sampler works in)."""

@@ -10,6 +10,8 @@ GEMMs (nanoserve/kernels/cpu_gemm.py), chosen once at startup:
                (LM head included), the kernels of cpu_int8.c: W8A16 (int8 weights widened to float32
                in registers, float32 math) by default; W8A8 (activations quantized per token, int16
                multiply-adds) on request, see w8a8_min_rows for why not by default.
+               The same kernels run a pre-quantized checkpoint's integer layers (GPTQ, AWQ,
+               compressed-tensors) with its group scales; its float layers take the path above.
 Products of bf16 values are exact in float32 and every path accumulates in float32, so rounding to
 bf16 gives a bf16 GEMM's answer up to summation order.
 
@@ -21,7 +23,9 @@ Switches, read once at startup (`CPUOptions.from_env`):
   NANOSERVE_CPU_KERNELS=1|0             build and use the C kernels
   NANOSERVE_CPU_ATTENTION=auto|torch    the C attention kernels, or the torch reference
   VLLM_BATCH_INVARIANT=1                batch-invariant kernels (as LLM(batch_invariant=True))
-  NANOSERVE_CPU_INT8=auto|w8a16|w8a8    with quantization="int8": the default (W8A16), or one path always
+  NANOSERVE_CPU_INT8=auto|w8a16|w8a8    with quantization="int8": the default (W8A16), or one path always;
+                                        for an int4 checkpoint, auto runs W4A16 and the others its
+                                        integers through that int8 path
 """
 from __future__ import annotations
 
@@ -35,9 +39,10 @@ import torch
 from nanoserve.backends.base import Backend, LinearFn
 from nanoserve.backends.metadata import AttentionMetadata
 from nanoserve.kernels import cpu_attention, cpu_kernels
-from nanoserve.kernels.cpu_gemm import BucketedLinear, Int8Gemm, OneDNNGemm, PanelGemm
-from nanoserve.kernels.cpu_int8 import Int8Kernels
+from nanoserve.kernels.cpu_gemm import BucketedLinear, Int4Gemm, Int8Gemm, OneDNNGemm, PanelGemm
+from nanoserve.kernels.cpu_int8 import Int4Kernels, Int8Kernels, fits_int4
 from nanoserve.kernels.paged_attention import paged_attention_decode_torch, paged_attention_varlen_torch
+from nanoserve.quantization.weight import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -148,13 +153,16 @@ class CPUBackend(Backend):
         self.kernels = cpu_kernels.CPUKernels(lib) if lib is not None else None
         self.attention_lib = lib if self.options.attention == "auto" and dtype in cpu_attention.DTYPE_CODES else None
         self.gemm = choose_gemm(self.options.gemm, dtype, self.kernels)
-        self.int8 = None
+        # The int8 GEMMs: every linear with quantization="int8", a pre-quantized checkpoint's
+        # integer weights (prepare_quantized_linear) otherwise.
+        self.int8 = self.int4 = None
+        if self.kernels is not None and self.kernels.lib.int8_gemm_supported():
+            self.int8, self.int4 = Int8Kernels(self.kernels.lib), Int4Kernels(self.kernels.lib)
+        self.w8a8_min_rows = w8a8_min_rows(self.options.int8)
         if quantization == "int8":
-            if self.kernels is None or not self.kernels.lib.int8_gemm_supported():
+            if self.int8 is None:
                 raise ValueError("quantization='int8' needs the CPU kernels built with AVX2 and FMA "
                                  "(a C compiler, NANOSERVE_CPU_KERNELS=1)")
-            self.int8 = Int8Kernels(self.kernels.lib)
-            self.w8a8_min_rows = w8a8_min_rows(self.options.int8)
             self.gemm = "int8"
         self.packs_weights = self.gemm != "native"
         # Attention without the C kernels: widen where bf16/fp16 matmuls are slow.
@@ -164,7 +172,7 @@ class CPUBackend(Backend):
     def describe(self) -> dict[str, str]:
         attention = "C paged attention" if self.attention_lib is not None else "torch SDPA"
         gemm = self.gemm
-        if self.int8 is not None:
+        if self.gemm == "int8":
             gemm = ("int8 W8A16" if self.w8a8_min_rows is None else "int8 W8A8" if self.w8a8_min_rows <= 1
                     else f"int8 W8A16 below {self.w8a8_min_rows} rows, W8A8 from there")
         return {"backend": self.name, "gemm": gemm, "attention": attention,
@@ -176,7 +184,17 @@ class CPUBackend(Backend):
         return self._gemm(weight, bias, None)
 
     def prepare_logits(self, weight: torch.Tensor) -> LinearFn:
-        return self._gemm(weight, None, torch.float32)  # each path's float32 result, not rounded and widened
+        return self._gemm(weight, None, torch.float32)
+
+    def prepare_quantized_linear(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> LinearFn:
+        """A checkpoint's integers as they are (exact: no requantization): 4-bit ones through W4A16
+        (half the int8 bytes) unless NANOSERVE_CPU_INT8 names an int8 path, the others through the
+        int8 GEMMs; without the kernels, dequantized into the float path."""
+        if self.int8 is None:
+            return super().prepare_quantized_linear(weight, bias)
+        if self.options.int8 == "auto" and fits_int4(weight.qweight, weight.group_size):
+            return Int4Gemm(weight, bias, self.int4)
+        return Int8Gemm(weight, bias, self.int8, self.w8a8_min_rows)  # each path's float32 result, not rounded and widened
 
     def _gemm(self, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None) -> LinearFn:
         if self.gemm == "int8":

@@ -30,6 +30,7 @@ from nanoserve.layers.pooler import Pooler
 from nanoserve.models import head_dim_of, model_class
 from nanoserve.models.loader import load_weights, prepare_weights
 from nanoserve.pooling.model import embedding_model_class
+from nanoserve.quantization.checkpoint import LOAD_TIME
 from nanoserve.sampling import Sampler, SamplingMetadata, SamplingRow
 from nanoserve.sampling.prompt_scores import score_tokens
 
@@ -66,7 +67,8 @@ class ModelRunner:
         self.vocab_size = cfg["vocab_size"]
         self.backend = select_backend(
             device, self.dtype, config.attention_backend, config.kvcache_block_size, head_dim_of(cfg),
-            batch_invariant=config.batch_invariant, quantization=config.quantization,
+            batch_invariant=config.batch_invariant,
+            quantization=LOAD_TIME if config.quantization == LOAD_TIME else None,  # a checkpoint's format: any backend
         )
         self.kv_spec = KVCacheSpec(config.kvcache_block_size or self.backend.preferred_block_size, config.max_model_len)
         self.sampler = Sampler()

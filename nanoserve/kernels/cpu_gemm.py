@@ -11,7 +11,12 @@
   Int8Gemm     `quantization="int8"`: the weight quantized per output channel to int8 (half the bf16
                bytes) for the kernels of cpu_int8.c, W8A16 (float32 math, weights widened in
                registers) below `w8a8_min_rows` rows and W8A8 (activations quantized per token,
-               int16 multiply-adds) from there on.
+               int16 multiply-adds) from there on. A pre-quantized checkpoint's integers
+               (nanoserve/quantization) run through the same kernels as they are, with the
+               format's group scales.
+  Int4Gemm     a pre-quantized int4 checkpoint (GPTQ, AWQ, compressed-tensors): 4-bit weights with
+               group zero points and scales, half the int8 bytes, widened to float32 in registers
+               (W4A16, cpu_int8.c), exact: q - z as the checkpoint stores it.
 
 oneDNN keeps state for every distinct row count it sees, so resident memory grows without bound
 when each step has a new token count; the oneDNN and F.linear paths therefore pad the rows to a
@@ -23,8 +28,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nanoserve.kernels.cpu_int8 import Int8Kernels, quantize_weight_int8
+from nanoserve.kernels.cpu_int8 import Int4Kernels, Int8Kernels, pack_int4, quantize_weight_int8, split_int4
 from nanoserve.kernels.cpu_kernels import CPUKernels
+from nanoserve.quantization.weight import QuantizedWeight
 
 SMALL_BUCKETS = 64  # up to here, row counts round up to a power of two; past it, to a multiple of 64
 
@@ -89,17 +95,42 @@ class BucketedLinear:
 
 class Int8Gemm:
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: Int8Kernels, w8a8_min_rows: int | None,
-        out_dtype: torch.dtype | None = None,
+        self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None, kernels: Int8Kernels,
+        w8a8_min_rows: int | None, out_dtype: torch.dtype | None = None,
     ) -> None:
-        """w8a8_min_rows: the row count from which W8A8 runs (None: never). out_dtype: the result's
-        dtype (None: the activations')."""
+        """weight: a float weight, quantized here per output channel, or a checkpoint's QuantizedWeight,
+        packed as it is. w8a8_min_rows: the row count from which W8A8 runs (None: never). out_dtype:
+        the result's dtype (None: the activations')."""
         self.kernels, self.w8a8_min_rows, self.out_dtype = kernels, w8a8_min_rows, out_dtype
-        self.weight = kernels.pack(*quantize_weight_int8(weight))
+        self.perm = None  # act-order: the input columns in the order of the packed weight's
+        if isinstance(weight, QuantizedWeight):
+            self.weight = kernels.pack(weight.qweight, weight.scales, weight.group_size)
+            self.perm = weight.perm
+        else:
+            self.weight = kernels.pack(*quantize_weight_int8(weight))
         self.bias = bias.detach().float().contiguous() if bias is not None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)  # [rows, in]
+        if self.perm is not None:
+            x2 = x2.index_select(1, self.perm)  # groups contiguous, as the weight was packed
         w8a8 = self.w8a8_min_rows is not None and x2.shape[0] >= self.w8a8_min_rows
         y = (self.kernels.w8a8 if w8a8 else self.kernels.w8a16)(x2, self.weight, self.bias)
+        return y.view(*x.shape[:-1], y.shape[-1]).to(self.out_dtype or x.dtype)
+
+
+class Int4Gemm:
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, kernels: Int4Kernels,
+                 out_dtype: torch.dtype | None = None) -> None:
+        """weight: a checkpoint's integers that fit 4 bits per group (cpu_int8.fits_int4)."""
+        self.kernels, self.out_dtype, self.perm = kernels, out_dtype, weight.perm
+        q, zeros = split_int4(weight.qweight, weight.group_size)
+        self.weight = pack_int4(q, zeros, weight.scales, weight.group_size)
+        self.bias = bias.detach().float().contiguous() if bias is not None else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)  # [rows, in]
+        if self.perm is not None:
+            x2 = x2.index_select(1, self.perm)  # groups contiguous, as the weight was packed
+        y = self.kernels.w4a16(x2, self.weight, self.bias)
         return y.view(*x.shape[:-1], y.shape[-1]).to(self.out_dtype or x.dtype)

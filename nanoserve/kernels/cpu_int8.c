@@ -233,7 +233,7 @@ static inline __attribute__((always_inline)) void w8a8_tile(const int mb, const 
             const int64_t r1 = M - r0 < I8_ROW_BLOCK ? M : r0 + I8_ROW_BLOCK;                    \
             _Pragma("omp parallel for schedule(static) num_threads(num_threads)")               \
             for (int64_t p = 0; p < num_panels; p++) {                                           \
-                const int8_t *panel = panels + p * Kp * I8_PANEL;                                \
+                const int8_t *panel = panels + p * panel_bytes;                                  \
                 const int64_t n0 = p * I8_PANEL, nn = N - n0 < I8_PANEL ? N - n0 : I8_PANEL;      \
                 int64_t m0 = r0;                                                                 \
                 for (; m0 + 6 <= r1; m0 += 6) TILE(6, __VA_ARGS__);                              \
@@ -254,7 +254,7 @@ static inline __attribute__((always_inline)) void w8a8_tile(const int mb, const 
 int int8_gemm_w8a16(const float *x, int64_t M, int64_t K, const int8_t *panels, int64_t Kp, const float *scales,
                     int64_t group, int64_t N, const float *bias, float *y, int num_threads) {
 #if defined(__AVX2__) && defined(__FMA__)
-    const int64_t Np = (N + I8_PANEL - 1) / I8_PANEL * I8_PANEL;
+    const int64_t Np = (N + I8_PANEL - 1) / I8_PANEL * I8_PANEL, panel_bytes = Kp * I8_PANEL;
     if (M <= 6) {  /* one tile: widen the weights in its loop */
         const float *wf = NULL;
         I8_DRIVE(w8a16_tile, x, m0, K, Kp, panel, scales, Np, group, n0, nn, N, bias, y, wf);
@@ -313,12 +313,100 @@ int int8_gemm_w8a16(const float *x, int64_t M, int64_t K, const int8_t *panels, 
 int int8_gemm_w8a8(const int16_t *xq, const float *xs, int64_t M, int64_t K, const int8_t *panels, int64_t Kp,
                    const float *scales, int64_t group, int64_t N, const float *bias, float *y, int num_threads) {
 #if defined(__AVX2__) && defined(__FMA__)
-    const int64_t Np = (N + I8_PANEL - 1) / I8_PANEL * I8_PANEL;
+    const int64_t Np = (N + I8_PANEL - 1) / I8_PANEL * I8_PANEL, panel_bytes = Kp * I8_PANEL;
     I8_DRIVE(w8a8_tile, xq, xs, m0, K, Kp, panel, scales, Np, group, n0, nn, N, bias, y);
     return 0;
 #else
     (void)xq; (void)xs; (void)M; (void)K; (void)panels; (void)Kp; (void)scales; (void)group; (void)N; (void)bias;
     (void)y; (void)num_threads;
+    return 1;
+#endif
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* W4A16: 4-bit weights with a zero point and a scale per group (GPTQ / AWQ / compressed-tensors   */
+/* int4), half the int8 bytes. Panels of 16 columns, [ceil(N / 16)][K][8] bytes: byte j of row k   */
+/* holds column j in its low nibble and column j + 8 in its high one, q unsigned in [0, 15].       */
+/* w[n, k] = (q - z) * s per group, so y = sum_g s * (x . q)_g - z * s * (sum of x over g): the    */
+/* group's sums of x times q, then once per group + xsum[m, g] * offsets (offsets = -z * s).       */
+/* Nibbles are widened to float32 in registers (vpand / vpsrlw, vpmovzxbd, vcvtdq2ps) and run the  */
+/* W8A16 tile's FMAs: at 1-4 rows the GEMM streams weights, and their bytes are what it saves.    */
+
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __m256 widen_u8x8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+
+/* tile[r] += lo/hi * scale + xsum * offset (one group's partial sums of row r) */
+static inline void flush_row_zp(float *t, __m256 lo, __m256 hi, __m256 s0, __m256 s1, __m256 o0, __m256 o1,
+                                float xsum) {
+    const __m256 b = _mm256_set1_ps(xsum);
+    _mm256_storeu_ps(t, _mm256_fmadd_ps(lo, s0, _mm256_fmadd_ps(b, o0, _mm256_loadu_ps(t))));
+    _mm256_storeu_ps(t + 8, _mm256_fmadd_ps(hi, s1, _mm256_fmadd_ps(b, o1, _mm256_loadu_ps(t + 8))));
+}
+
+static inline __attribute__((always_inline)) void w4a16_tile(const int mb, const float *x, int64_t m0, int64_t K,
+                                                              const int8_t *panel_bytes_, const float *scales,
+                                                              const float *offsets, const float *xg, int64_t G,
+                                                              int64_t Np, int64_t group, int64_t n0, int64_t nn,
+                                                              int64_t N, const float *bias, float *y) {
+    const uint8_t *panel = (const uint8_t *)panel_bytes_;
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    float tile[6][I8_PANEL] = {{0}};
+    const float *x0 = x + m0 * K, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K, *x4 = x3 + K, *x5 = x4 + K;
+    const float *g0r = xg + m0 * G;
+    for (int64_t g0 = 0, gi = 0; g0 < K; g0 += group, gi++) {
+        const int64_t g1 = g0 + group < K ? g0 + group : K;
+        __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+        __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+        for (int64_t k = g0; k < g1; k++) {
+            const __m128i v = _mm_loadl_epi64((const __m128i *)(panel + k * 8));
+            const __m256 w0 = widen_u8x8(_mm_and_si128(v, nibble));                    /* columns 0-7 */
+            const __m256 w1 = widen_u8x8(_mm_and_si128(_mm_srli_epi16(v, 4), nibble)); /* columns 8-15 */
+            __m256 b = _mm256_broadcast_ss(x0 + k);
+            c00 = _mm256_fmadd_ps(b, w0, c00), c01 = _mm256_fmadd_ps(b, w1, c01);
+            if (mb > 1) b = _mm256_broadcast_ss(x1 + k), c10 = _mm256_fmadd_ps(b, w0, c10), c11 = _mm256_fmadd_ps(b, w1, c11);
+            if (mb > 2) b = _mm256_broadcast_ss(x2 + k), c20 = _mm256_fmadd_ps(b, w0, c20), c21 = _mm256_fmadd_ps(b, w1, c21);
+            if (mb > 3) b = _mm256_broadcast_ss(x3 + k), c30 = _mm256_fmadd_ps(b, w0, c30), c31 = _mm256_fmadd_ps(b, w1, c31);
+            if (mb > 4) b = _mm256_broadcast_ss(x4 + k), c40 = _mm256_fmadd_ps(b, w0, c40), c41 = _mm256_fmadd_ps(b, w1, c41);
+            if (mb > 5) b = _mm256_broadcast_ss(x5 + k), c50 = _mm256_fmadd_ps(b, w0, c50), c51 = _mm256_fmadd_ps(b, w1, c51);
+        }
+        const float *sg = scales + gi * Np + n0, *og = offsets + gi * Np + n0;
+        const __m256 s0 = _mm256_loadu_ps(sg), s1 = _mm256_loadu_ps(sg + 8);
+        const __m256 o0 = _mm256_loadu_ps(og), o1 = _mm256_loadu_ps(og + 8);
+        flush_row_zp(tile[0], c00, c01, s0, s1, o0, o1, g0r[gi]);
+        if (mb > 1) flush_row_zp(tile[1], c10, c11, s0, s1, o0, o1, g0r[G + gi]);
+        if (mb > 2) flush_row_zp(tile[2], c20, c21, s0, s1, o0, o1, g0r[2 * G + gi]);
+        if (mb > 3) flush_row_zp(tile[3], c30, c31, s0, s1, o0, o1, g0r[3 * G + gi]);
+        if (mb > 4) flush_row_zp(tile[4], c40, c41, s0, s1, o0, o1, g0r[4 * G + gi]);
+        if (mb > 5) flush_row_zp(tile[5], c50, c51, s0, s1, o0, o1, g0r[5 * G + gi]);
+    }
+    store_rows(mb, tile, y, m0, N, n0, nn, NULL, bias);
+}
+#endif
+
+/* y[M, N] = x[M, K] . ((q - z) * s)^T (+ bias), x and y float32; panels as above, scales and
+   offsets (-z * s) [ceil(K / group)][ceil(N / 16) * 16] float32. Returns 1 without AVX2/FMA, 2 if
+   the per-group sums of x cannot be allocated. */
+int int4_gemm_w4a16(const float *x, int64_t M, int64_t K, const int8_t *panels, const float *scales,
+                    const float *offsets, int64_t group, int64_t N, const float *bias, float *y, int num_threads) {
+#if defined(__AVX2__) && defined(__FMA__)
+    const int64_t G = (K + group - 1) / group;
+    const int64_t Np = (N + I8_PANEL - 1) / I8_PANEL * I8_PANEL, panel_bytes = K * (I8_PANEL / 2);
+    float *xg = (float *)malloc((size_t)(M * G) * sizeof(float));
+    if (xg == NULL) return 2;
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t k1 = (g + 1) * group < K ? (g + 1) * group : K;
+            float sum = 0.0f;
+            for (int64_t k = g * group; k < k1; k++) sum += x[m * K + k];
+            xg[m * G + g] = sum;
+        }
+    }
+    I8_DRIVE(w4a16_tile, x, m0, K, panel, scales, offsets, xg, G, Np, group, n0, nn, N, bias, y);
+    free(xg);
+    return 0;
+#else
+    (void)x; (void)M; (void)K; (void)panels; (void)scales; (void)offsets; (void)group; (void)N; (void)bias; (void)y;
+    (void)num_threads;
     return 1;
 #endif
 }

@@ -8,6 +8,11 @@ Two GEMMs read the same packed weights (cpu_int8.c says how):
   W8A8   y = sx[m] * sum_g scale[n, g] * (qx . q)_g         (activations quantized per token:
          sx[m] = max |x[m]| / 127, qx = round(x * 127 / max |x[m]|); the group sums are exact int32)
 Each `*_torch` function is the reference the C kernel is tested against, same arguments.
+
+A third kernel, W4A16, runs 4-bit weights with zero points (int4 checkpoints: GPTQ, AWQ,
+compressed-tensors), half the int8 bytes: w = (q - z) * s per group, q in [0, 15]. It takes the
+integers a checkpoint decodes to (nanoserve/quantization/weight.py: q - z as int8) whenever each
+group of them spans at most 16 values (split_int4 recovers q and z; every genuine int4 group does).
 """
 from __future__ import annotations
 
@@ -160,4 +165,101 @@ class Int8Kernels:
                                     w.padded_in, w.scales.data_ptr(), self._group(w), w.out_features,
                                     bias.data_ptr() if bias is not None else None, y.data_ptr(),
                                     torch.get_num_threads())
+        return y
+
+
+# ---- W4A16 --------------------------------------------------------------------------------------
+
+INT4_LEVELS = 16
+
+
+def _group_view(values: torch.Tensor, group: int) -> torch.Tensor:
+    """[N, K] -> [N, G, group], the last group padded by repeating its first column (no new values)."""
+    n, k = values.shape
+    groups = -(-k // group)
+    pad = groups * group - k
+    if pad:
+        values = torch.cat([values, values[:, (groups - 1) * group:][:, :1].expand(n, pad)], dim=1)
+    return values.view(n, groups, group)
+
+
+def fits_int4(values: torch.Tensor, group: int) -> bool:
+    """Do the int8 values (a checkpoint's q - z) span at most 16 levels in every group?"""
+    g = _group_view(values, group)
+    return bool(((g.amax(-1).int() - g.amin(-1).int()) < INT4_LEVELS).all())
+
+
+def split_int4(values: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """values [N, K] int8 (fits_int4) -> (q [N, K] uint8 in [0, 15], z [N, G] int32) with q - z = values:
+    z = -min of the group, the smallest zero point that makes every q non-negative."""
+    n, k = values.shape
+    z = -_group_view(values, group).amin(-1).int()  # [N, G]
+    q = values.int() + z.repeat_interleave(group, dim=1)[:, :k]
+    assert 0 <= int(q.min()) and int(q.max()) < INT4_LEVELS, "split_int4 needs values that fit_int4"
+    return q.to(torch.uint8), z
+
+
+def int4_gemm_w4a16_torch(x: torch.Tensor, q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+                          group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] float32 . ((q - z) * s)^T (+ bias) -> [M, N] float32; q [N, K] uint8, zeros/scales [N, G]."""
+    k = q.shape[1]
+    per_k = lambda t: t.repeat_interleave(group_size, dim=1)[:, :k]  # noqa: E731
+    w = (q.double() - per_k(zeros).double()) * per_k(scales).double()
+    y = x.double() @ w.T
+    return (y + bias.double() if bias is not None else y).float()
+
+
+@dataclass(frozen=True)
+class PackedInt4:
+    """A 4-bit weight packed for int4_gemm_w4a16: panels [ceil(N / 16), K, 8] uint8 (byte j: column j
+    low nibble, column j + 8 high), scales and offsets (-z * s) [groups, ceil(N / 16) * 16] float32."""
+    panels: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor
+    out_features: int
+    in_features: int
+    group_size: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.panels, self.scales, self.offsets))
+
+
+def pack_int4(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int) -> PackedInt4:
+    """q [N, K] uint8 in [0, 15], zeros and scales [N, ceil(K / group_size)] -> the packed weight."""
+    n, k = q.shape
+    group = min(group_size, k)
+    if q.dtype != torch.uint8 or tuple(scales.shape) != (n, -(-k // group)) or zeros.shape != scales.shape:
+        raise ValueError("pack_int4 takes q [N, K] uint8 and zeros, scales [N, ceil(K / group_size)]")
+    num_panels = -(-n // PANEL)
+    padded = torch.zeros(num_panels * PANEL, k, dtype=torch.uint8)
+    padded[:n] = q
+    cols = padded.view(num_panels, PANEL, k).transpose(1, 2)  # [P, K, 16]
+    panels = (cols[..., : PANEL // 2] | (cols[..., PANEL // 2:] << 4)).contiguous()  # [P, K, 8]
+    s = torch.zeros(scales.shape[1], num_panels * PANEL, dtype=torch.float32)
+    o = torch.zeros_like(s)
+    s[:, :n] = scales.float().T
+    o[:, :n] = -(zeros.float() * scales.float()).T
+    return PackedInt4(panels, s, o, n, k, group)
+
+
+class Int4Kernels:
+    """The W4A16 GEMM of a loaded kernel library."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        if not lib.int8_gemm_supported():
+            raise ValueError("the int4 GEMM needs the CPU kernels built with AVX2 and FMA")
+        self.lib = lib
+
+    def w4a16(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] float32 -> [M, N] float32 (bias float32)."""
+        x = x.contiguous()
+        y = torch.empty(x.shape[0], w.out_features, dtype=torch.float32)
+        with torch.profiler.record_function("nanoserve::cpu_int4_w4a16"):
+            rc = self.lib.int4_gemm_w4a16(x.data_ptr(), x.shape[0], w.in_features, w.panels.data_ptr(),
+                                          w.scales.data_ptr(), w.offsets.data_ptr(), w.group_size, w.out_features,
+                                          bias.data_ptr() if bias is not None else None, y.data_ptr(),
+                                          torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError(f"int4_gemm_w4a16 failed ({rc}): no memory for the per-group sums of x")
         return y

@@ -4,6 +4,8 @@ Column-parallel layers split the output dim across ranks, row-parallel ones the 
 all-reduce their output). Packed layers (QKV, gate_up) load several HF tensors into one weight.
 The matmul itself is the backend's: after loading, `process_weights_after_loading` asks it for
 the layer's GEMM (plain F.linear, or e.g. a prepacked float32 copy on a CPU without bf16 math).
+A pre-quantized checkpoint's layer (`make_quantized`, called by the loader) holds int8 weights
+with group scales instead, sharded the same way (input shards on group boundaries).
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import torch
 from torch import nn
 
 from nanoserve.layers.context import ModelContext
+from nanoserve.quantization.weight import QuantizedWeight
 
 
 def weights_not_loaded(*args) -> torch.Tensor:
@@ -32,6 +35,8 @@ def expect_shards(param: nn.Parameter, shards) -> None:
 
 
 class LinearBase(nn.Module):
+    input_is_sharded = False  # row-parallel layers split the input dim across ranks
+
     def __init__(self, input_size: int, output_size: int, bias: bool, ctx: ModelContext) -> None:
         super().__init__()
         self.backend, self.tp = ctx.backend, ctx.tp
@@ -47,7 +52,72 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         param.data.copy_(shard_of(loaded, param.shape, 0, 0, param.shape[0]))  # no broadcasting
 
+    def make_quantized(self, group_size: int, act_order: bool) -> None:
+        """Hold the weight as a pre-quantized checkpoint decodes (nanoserve/quantization/weight.py):
+        int8 [out, in] with float32 scales per group of `group_size` inputs (the whole input when
+        group_size >= it) and, for act-order, the input permutation, instead of a float weight."""
+        out_local, in_local = self.weight.shape
+        in_full = in_local * self.tp.size if self.input_is_sharded else in_local
+        per_channel = group_size >= in_full
+        if in_local != in_full and act_order:
+            raise ValueError(
+                f"an act-order (desc_act / g_idx) quantized layer of input size {in_full} cannot be split across "
+                f"tensor_parallel_size={self.tp.size} ranks: its groups are spread over the whole input; use "
+                "tensor_parallel_size=1 or a checkpoint without act-order"
+            )
+        if in_local != in_full and not per_channel and in_local % group_size:
+            raise ValueError(
+                f"a quantized layer of input size {in_full} in groups of {group_size} cannot be split across "
+                f"tensor_parallel_size={self.tp.size} ranks: each rank's {in_local} inputs must be whole groups"
+            )
+        self.group_size = in_local if per_channel else group_size  # per channel: one group per rank
+        shards = getattr(self.weight, "expected_shards", None)
+        device = self.weight.device
+        self.weight = nn.Parameter(torch.empty(out_local, in_local, dtype=torch.int8, device=device),
+                                   requires_grad=False)
+        groups = -(-in_local // self.group_size)
+        self.weight_scale = nn.Parameter(torch.empty(out_local, groups, dtype=torch.float32, device=device),
+                                         requires_grad=False)
+        self.weight.weight_loader = self.weight_scale.weight_loader = self.weight_loader
+        if in_local != in_full and per_channel:  # every rank scales its partial sums by the whole channel's scale
+            self.weight_scale.weight_loader = self._replicated_loader
+        params = [self.weight, self.weight_scale]
+        if act_order:
+            self.weight_perm = nn.Parameter(torch.empty(in_local, dtype=torch.int64, device=device),
+                                            requires_grad=False)
+            self.weight_perm.weight_loader = self._perm_loader
+            params.append(self.weight_perm)
+        if shards is not None:
+            for param in params:
+                expect_shards(param, shards)
+
+    @staticmethod
+    def _replicated_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        param.data.copy_(shard_of(loaded, param.shape, 0, 0, param.shape[0]))
+
+    @staticmethod
+    def _perm_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        """The act-order permutation of the inputs: one for the whole layer, so the parts of a fused
+        layer (q/k/v, gate/up: quantized on the same inputs) must agree."""
+        loaded = shard_of(loaded, param.shape, 0, 0, param.shape[0])
+        if shard_id is not None and param.loaded_shards and not torch.equal(param.data, loaded):
+            raise ValueError("the parts of this fused layer have different act-order input orders (g_idx); "
+                             "nanoserve runs one order per fused layer")
+        param.data.copy_(loaded)
+        if shard_id is not None:
+            param.loaded_shards.add(shard_id)
+
     def process_weights_after_loading(self) -> None:
+        if self.weight.dtype == torch.int8:  # make_quantized
+            perm = self.weight_perm.data if hasattr(self, "weight_perm") else None
+            quantized = QuantizedWeight(self.weight.data, self.weight_scale.data, self.group_size, perm)
+            self.gemm = self.backend.prepare_quantized_linear(quantized, self.bias)
+            self.weight = self.weight_scale = None  # the GEMM holds what it runs
+            if perm is not None:
+                self.weight_perm = None
+            if self.backend.packs_weights:
+                self.bias = None
+            return
         self.gemm = self.backend.prepare_linear(self.weight, self.bias)
         if self.backend.packs_weights:
             self.weight = self.bias = None  # the GEMM holds its own copy
@@ -112,6 +182,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(LinearBase):
+    input_is_sharded = True
+
     def __init__(self, input_size: int, output_size: int, bias: bool, ctx: ModelContext) -> None:
         super().__init__(ctx.tp.shard(input_size, "input_size"), output_size, bias, ctx)
 

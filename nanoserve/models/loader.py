@@ -5,9 +5,15 @@ tensor: an unknown tensor, one of the wrong shape (the layers' loaders check the
 shape, so a larger tensor is never cut to fit) or of a non-float dtype, a weight the model needs
 that no file holds (including one part of a packed weight, e.g. a missing k_proj or one expert
 of a MoE layer).
+
+A pre-quantized checkpoint (config.json's quantization_config) is checked from its headers first,
+then read through its format's decoder (nanoserve/quantization/checkpoint.py): each linear layer
+whose parts are all quantized alike holds the integers (LinearBase.make_quantized); any other
+quantized module (a fused layer quantized in part, an LM head, MoE experts) loads dequantized.
 """
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 
@@ -16,6 +22,9 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from nanoserve.checkpoint import read_json
+from nanoserve.quantization.checkpoint import QuantizedCheckpoint, open_checkpoint
+
+logger = logging.getLogger(__name__)
 
 # Tensors a checkpoint may carry that the engine recomputes or never uses.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -51,12 +60,46 @@ def iter_checkpoint(model_dir: str) -> Iterator[tuple[str, str, torch.Tensor]]:
             raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
 
 
+def bind_quantized_layers(model: nn.Module, quantized: QuantizedCheckpoint) -> set[str]:
+    """Turn every linear layer whose checkpoint parts are all quantized alike into an integer one;
+    return the quantized modules that load as float instead."""
+    by_layer: dict[str, list] = {}
+    for module, spec in quantized.specs.items():
+        if spec.decodes_to_float:
+            continue
+        target, shard_id = model.checkpoint_name_to_param(f"{module}.weight")
+        if target is not None:
+            by_layer.setdefault(target.rpartition(".")[0], []).append((module, shard_id, spec))
+    as_float: set[str] = set()
+    for layer_name, parts in by_layer.items():
+        try:
+            layer = model.get_submodule(layer_name)
+        except AttributeError:
+            continue  # the loader names the tensor that has no parameter
+        shards = getattr(getattr(layer, "weight", None), "expected_shards", None)
+        kinds = {(spec.group_size, spec.act_order) for _, _, spec in parts}
+        complete = (len(parts) == 1) if shards is None else shards == {shard for _, shard, _ in parts}
+        if hasattr(layer, "make_quantized") and complete and len(kinds) == 1:
+            layer.make_quantized(*kinds.pop())
+            continue
+        why = ("not a linear layer" if not hasattr(layer, "make_quantized") else
+               "only some of its parts are quantized" if not complete else "its parts use different groups")
+        logger.info("%s loads dequantized to float: %s", layer_name, why)
+        as_float.update(module for module, _, _ in parts)
+    return as_float
+
+
 def load_weights(model: nn.Module, model_dir: str) -> None:
     """Copy every checkpoint tensor into its parameter; fail loudly on anything missing or misfit."""
+    tensors = iter_checkpoint(model_dir)
+    quantized = open_checkpoint(model_dir, read_json(os.path.join(model_dir, "config.json")),
+                                checkpoint_files(model_dir))
+    if quantized is not None:
+        tensors = quantized.stream(tensors, bind_quantized_layers(model, quantized))
     params = dict(model.named_parameters())  # tied weights appear once, under their first name
     tied = getattr(model, "tie_word_embeddings", False)
     loaded: set[str] = set()
-    for path, name, tensor in iter_checkpoint(model_dir):
+    for path, name, tensor in tensors:
         if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue
         target, shard_id = model.checkpoint_name_to_param(name)
@@ -65,7 +108,8 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
         if target not in params:
             raise ValueError(f"{path}: tensor {name!r} has no matching parameter ({target!r}) in the model")
         param = params[target]
-        if not tensor.is_floating_point():  # copy_ would convert it silently into a wrong model
+        # copy_ would convert it silently into a wrong model (integers only reach integer parameters)
+        if not tensor.is_floating_point() and tensor.dtype != param.dtype:
             raise ValueError(
                 f"{path}: tensor {name!r} has dtype {str(tensor.dtype).removeprefix('torch.')}; weights must be "
                 "floating point (float32, bfloat16 or float16)"

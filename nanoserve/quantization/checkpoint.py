@@ -1,0 +1,140 @@
+"""A pre-quantized checkpoint: its format from config.json, its modules from the file headers, and
+the stream of decoded tensors the model loader reads instead of the raw ones.
+
+Every module's tensors are checked against the declared config from the headers alone
+(`QuantizedCheckpoint.__init__`), before any weight is read; a disagreement is a ValueError naming
+the file, the tensor and the field. Decoding then replaces each quantized module's tensors by
+  <module>.weight        int8 [N, K]   (QuantizedWeight.qweight)
+  <module>.weight_scale  float32 [N, G]
+  <module>.weight_perm   int64 [K]     (act-order only)
+or, for a module the model runs in float, by <module>.weight as float32.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Iterator
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from nanoserve.quantization.awq import AWQ
+from nanoserve.quantization.common import ModuleSpec, QuantFormat, TensorMeta
+from nanoserve.quantization.compressed_tensors import CompressedTensors
+from nanoserve.quantization.fp8 import FP8
+from nanoserve.quantization.gptq import GPTQ
+from nanoserve.quantization.weight import QuantizedWeight
+
+logger = logging.getLogger(__name__)
+
+FORMATS: dict[str, type[QuantFormat]] = {f.method: f for f in (GPTQ, AWQ, CompressedTensors, FP8)}
+LOAD_TIME = "int8"  # quantization=LOAD_TIME quantizes a float checkpoint at load (nanoserve/kernels/cpu_int8.py)
+QUANTIZATIONS = (LOAD_TIME, *FORMATS)  # every value Config.quantization takes besides None
+
+
+def checkpoint_format(hf_config: dict, source: str) -> QuantFormat | None:
+    """The reader of config.json's quantization_config (None for a float checkpoint); refuses an
+    unknown quant_method or a config the reader cannot run, by field."""
+    qcfg = hf_config.get("quantization_config")
+    if qcfg is None:
+        return None
+    if not isinstance(qcfg, dict):
+        raise ValueError(f"{source}: quantization_config must be an object, got {type(qcfg).__name__}")
+    method = qcfg.get("quant_method")
+    if method not in FORMATS:
+        raise ValueError(f"{source}: quantization_config.quant_method={method!r} is not supported "
+                         f"(one of {', '.join(FORMATS)})")
+    return FORMATS[method](qcfg, source)
+
+
+def resolve_quantization(requested: str | None, hf_config: dict, source: str) -> str | None:
+    """Config.quantization: the checkpoint's own format when it has one (`requested` must then be
+    None or the same name, as in vLLM), else `requested` (None, or "int8" to quantize at load)."""
+    if requested is not None and requested not in QUANTIZATIONS:
+        raise ValueError(f"quantization={requested!r} is not supported (None, {', '.join(map(repr, QUANTIZATIONS))}; "
+                         "a pre-quantized checkpoint's format is read from its config.json)")
+    fmt = checkpoint_format(hf_config, source)
+    if fmt is None:
+        if requested not in (None, LOAD_TIME):
+            raise ValueError(f"quantization={requested!r} is not supported with {source}: it has no "
+                             "quantization_config (a float checkpoint: None, or 'int8' to quantize it at load)")
+        return requested
+    if requested not in (None, fmt.method):
+        raise ValueError(f"quantization={requested!r} disagrees with {source}, whose quantization_config.quant_method "
+                         f"is {fmt.method!r}: pass quantization={fmt.method!r} or None")
+    return fmt.method
+
+
+def read_headers(files: Iterable[str]) -> dict[str, TensorMeta]:
+    """Every tensor's header, by name, without reading any data."""
+    metas: dict[str, TensorMeta] = {}
+    for path in files:
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    s = f.get_slice(name)
+                    metas[name] = TensorMeta(path, name, tuple(s.get_shape()), s.get_dtype())
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
+    return metas
+
+
+def _read_one(meta: TensorMeta) -> torch.Tensor:
+    with safe_open(meta.path, framework="pt", device="cpu") as f:
+        return f.get_tensor(meta.name)
+
+
+class QuantizedCheckpoint:
+    def __init__(self, fmt: QuantFormat, files: list[str]) -> None:
+        self.format = fmt
+        by_module: dict[str, dict[str, TensorMeta]] = {}
+        for name, meta in read_headers(files).items():
+            module, _, suffix = name.rpartition(".")
+            by_module.setdefault(module, {})[suffix] = meta
+        self.specs: dict[str, ModuleSpec] = {}
+        self._suffixes: dict[str, tuple[str, ...]] = {}
+        self._metas: dict[str, dict[str, TensorMeta]] = {}
+        for module, metas in sorted(by_module.items()):
+            if not fmt.is_quantized(module, metas):
+                continue
+            self.specs[module] = fmt.check(module, metas, read=lambda suffix, m=metas: _read_one(m[suffix]))
+            self._suffixes[module] = fmt.suffixes(metas)
+            self._metas[module] = metas
+        if not self.specs:
+            raise ValueError(f"{fmt.source} declares quant_method {fmt.method!r} but no tensor of the checkpoint "
+                             f"is quantized in that format (no {fmt.marker!r} tensors)")
+
+    def decode(self, module: str, tensors: dict[str, torch.Tensor]) -> QuantizedWeight | torch.Tensor:
+        return self.format.decode(module, tensors, self._metas[module], self.specs[module])
+
+    def stream(self, tensors: Iterable[tuple[str, str, torch.Tensor]], as_float: set[str]
+               ) -> Iterator[tuple[str, str, torch.Tensor]]:
+        """The checkpoint's (file, name, tensor) with each quantized module's tensors decoded (see the
+        module docstring); modules in `as_float` (or formats run in float) come out as float32 weights."""
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        for path, name, tensor in tensors:
+            module, _, suffix = name.rpartition(".")
+            if module not in self.specs or suffix not in self._suffixes[module]:
+                yield path, name, tensor
+                continue
+            parts = pending.setdefault(module, {})
+            parts[suffix] = tensor
+            if len(parts) < len(self._suffixes[module]):
+                continue
+            decoded = self.decode(module, pending.pop(module))
+            if isinstance(decoded, torch.Tensor):
+                yield path, f"{module}.weight", decoded
+            elif module in as_float:
+                yield path, f"{module}.weight", decoded.dequantize()
+            else:
+                yield path, f"{module}.weight", decoded.qweight
+                yield path, f"{module}.weight_scale", decoded.scales
+                if self.specs[module].act_order:  # the layer holds a permutation, the identity if g_idx is in order
+                    perm = decoded.perm if decoded.perm is not None else torch.arange(decoded.shape[1])
+                    yield path, f"{module}.weight_perm", perm
+        assert not pending, f"modules left undecoded: {sorted(pending)[:4]}"  # the headers listed every part
+
+
+def open_checkpoint(model_dir: str, hf_config: dict, files: list[str]) -> QuantizedCheckpoint | None:
+    fmt = checkpoint_format(hf_config, os.path.join(model_dir, "config.json"))
+    return QuantizedCheckpoint(fmt, files) if fmt is not None else None

@@ -1,0 +1,69 @@
+"""The W4A16 kernel of cpu_int8.c (4-bit weights with group zero points and scales) against its
+PyTorch reference, and the split of a checkpoint's q - z integers into nibbles and zero points."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanoserve.kernels import cpu_kernels
+from nanoserve.kernels.cpu_int8 import (
+    PANEL, Int4Kernels, Int8Kernels, fits_int4, int4_gemm_w4a16_torch, pack_int4, quantize_weight_int8, split_int4,
+)
+
+LIB = cpu_kernels.load()
+KERNELS = Int4Kernels(LIB) if LIB is not None and LIB.int8_gemm_supported() else None
+needs_kernel = pytest.mark.skipif(KERNELS is None, reason="no AVX2/FMA build of the CPU kernels")
+
+# rows: every tile height 1-6, a full tile plus a ragged one, past one 256-row block.
+ROWS = [1, 2, 3, 4, 5, 6, 7, 16, 65, 257, 300]
+# (N, K, group): N not a multiple of the 16-column panel, K not a multiple of the group (a short
+# last group), odd K, one group spanning K (per channel), a group of 2.
+SHAPES = [(101, 64, 32), (35, 100, 16), (16, 3, 2), (1, 130, 128), (40, 97, 97)]
+
+
+def _case(rows: int, n: int, k: int, group: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    groups = -(-k // group)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    zeros = torch.randint(0, 17, (n, groups), generator=g, dtype=torch.int32)  # GPTQ v1 zeros reach 16
+    scales = torch.rand(n, groups, generator=g) * torch.rand(n, 1, generator=g) * 0.2
+    return q, zeros, scales, torch.randn(rows, k, generator=g) * 3, torch.randn(n, generator=g)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("n, k, group", SHAPES)
+def test_w4a16_kernel_matches_reference(rows, n, k, group):
+    q, zeros, scales, x, bias = _case(rows, n, k, group, rows * 1000 + n + k)
+    packed = pack_int4(q, zeros, scales, group)
+    for b in (None, bias):
+        got = KERNELS.w4a16(x, packed, b)
+        ref = int4_gemm_w4a16_torch(x, q, zeros, scales, group, b)
+        assert got.shape == (rows, n) and got.dtype == torch.float32
+        # float32 sums of x * q, then - z * (sum of x) per group: float32 rounding of both
+        torch.testing.assert_close(got, ref, atol=2e-5 * ref.abs().max().item(), rtol=1e-5)
+
+
+@needs_kernel
+def test_w4a16_weights_take_half_the_int8_bytes():
+    q, zeros, scales, _, _ = _case(1, 256, 1024, 128, 0)
+    int4 = pack_int4(q, zeros, scales, 128)
+    int8 = Int8Kernels(LIB).pack(*quantize_weight_int8(torch.randn(256, 1024), 128), 128)
+    assert int4.panels.numel() * 2 == int8.panels.numel()
+    assert int4.panels.shape == (256 // PANEL, 1024, PANEL // 2) and int4.panels.dtype == torch.uint8
+
+
+def test_split_int4_recovers_nibbles_and_zero_points_exactly():
+    q, zeros, _, _, _ = _case(1, 37, 70, 16, 1)
+    values = (q.int() - zeros.repeat_interleave(16, dim=1)[:, :70]).to(torch.int8)  # what a checkpoint decodes to
+    assert fits_int4(values, 16)
+    q2, z2 = split_int4(values, 16)
+    assert q2.dtype == torch.uint8 and int(q2.max()) <= 15
+    assert torch.equal(q2.int() - z2.repeat_interleave(16, dim=1)[:, :70], values.int())
+
+
+def test_values_spanning_more_than_16_levels_in_a_group_do_not_fit_int4():
+    values = torch.zeros(4, 64, dtype=torch.int8)
+    values[2, 40] = 16  # group 1 of row 2 spans 0 .. 16: 17 levels
+    assert not fits_int4(values, 32)
+    assert fits_int4(values, 64) is False and fits_int4(values[:, :32], 32)

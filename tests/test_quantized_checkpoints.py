@@ -1,0 +1,265 @@
+"""Pre-quantized checkpoints (GPTQ, AWQ, compressed-tensors, FP8), built here from a random float
+Qwen3 by the packers of nanoserve/quantization/pack.py (written from each format's published
+layout), then: the decoded weights are exactly what the packer encoded; nanoserve's greedy tokens
+equal HF transformers' (float32) on a float twin holding those same weights; tensor parallelism
+shards them; and every unsupported or inconsistent checkpoint is a ValueError naming the file,
+the tensor or the field. compressed-tensors' own decompressor is a second oracle where installed."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from helpers import random_prompts
+from nanoserve import LLM, SamplingParams
+from nanoserve.kernels.cpu_gemm import Int4Gemm, Int8Gemm
+from nanoserve.quantization.checkpoint import open_checkpoint
+from nanoserve.quantization.pack import write_quantized_checkpoint
+from nanoserve.quantization.weight import QuantizedWeight
+
+# name -> (packer, options); the tiny "untied-gqa4" model: hidden 96, q/k/v inputs in 3 groups of 32,
+# down_proj's 160 inputs in 5, k/v outputs 48 (a multiple of the 8 int4 values per int32 word)
+CASES = {
+    "gptq-sym": ("gptq", {}),
+    "gptq-asym-act-order": ("gptq", dict(sym=False, act_order=True)),
+    "gptq-v2-asym-per-channel": ("gptq", dict(sym=False, version=2, group_size=-1)),
+    "gptq-8bit": ("gptq", dict(bits=8)),
+    "awq": ("awq", {}),
+    "ct-w4a16": ("ct-pack", {}),
+    "ct-w4a16-asym": ("ct-pack", dict(sym=False)),
+    "ct-w4a16-asym-act-order": ("ct-pack", dict(sym=False, act_order=True)),
+    "ct-w8a8": ("ct-int8", dict(w8a8=True)),
+    "fp8": ("fp8", dict(block=(16, 32))),
+}
+METHODS = {"gptq": "gptq", "awq": "awq", "ct-pack": "compressed-tensors", "ct-int8": "compressed-tensors",
+           "fp8": "fp8"}
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+ENGINE = dict(dtype="float32", max_model_len=128, num_kvcache_blocks=64)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(model_dirs, tmp_path_factory):
+    """name -> (quantized dir, float twin dir, the packer's dequantized weights)."""
+    root = tmp_path_factory.mktemp("quantized")
+    built = {}
+    for name, (kind, options) in CASES.items():
+        dst, twin = str(root / name), str(root / f"{name}-float")
+        built[name] = (dst, twin, write_quantized_checkpoint(model_dirs["untied-gqa4"], dst, kind, twin, **options))
+    return built
+
+
+def _decoded(path: str) -> dict[str, QuantizedWeight | torch.Tensor]:
+    """Every quantized module of the checkpoint, decoded by nanoserve's reader, by weight name."""
+    with open(os.path.join(path, "config.json")) as f:
+        hf_config = json.load(f)
+    files = [os.path.join(path, "model.safetensors")]
+    quantized = open_checkpoint(path, hf_config, files)
+    out = {}
+    with safe_open(files[0], framework="pt") as f:
+        for module in quantized.specs:
+            tensors = {k.rpartition(".")[2]: f.get_tensor(k) for k in f.keys() if k.rpartition(".")[0] == module}
+            out[f"{module}.weight"] = quantized.decode(module, tensors)
+    return out
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_decoded_weights_are_exactly_what_the_packer_encoded(checkpoints, name):
+    path, _, encoded = checkpoints[name]
+    decoded = _decoded(path)
+    assert set(decoded) == set(encoded)  # every linear of every layer, nothing else
+    for weight_name, want in encoded.items():
+        got = decoded[weight_name]
+        if isinstance(got, QuantizedWeight):
+            int4 = CASES[name][1].get("bits", 8 if CASES[name][0] == "ct-int8" else 4) == 4
+            lo, hi = (-16, 15) if int4 else (-128, 127)  # int4: q - z (GPTQ v1 zeros reach 16)
+            assert got.qweight.dtype == torch.int8 and lo <= int(got.qweight.min()) and int(got.qweight.max()) <= hi
+            assert (got.perm is not None) == (CASES[name][1].get("act_order", False)), weight_name
+            got = got.dequantize()
+        assert torch.equal(got, want), weight_name
+
+
+def _int4(name: str) -> bool:
+    kind, options = CASES[name]
+    return kind in ("gptq", "awq", "ct-pack") and options.get("bits", 4) == 4
+
+
+@pytest.mark.parametrize("name, int8_path", [(name, "auto") for name in CASES] + [("gptq-asym-act-order", "w8a16")])
+def test_greedy_tokens_equal_hf_on_the_dequantized_weights(checkpoints, hf, monkeypatch, name, int8_path):
+    """int4 checkpoints run W4A16 by default, their integers through the int8 kernels with
+    NANOSERVE_CPU_INT8=w8a16, 8-bit ones the int8 kernels; all exact, so HF's tokens."""
+    monkeypatch.setenv("NANOSERVE_CPU_INT8", int8_path)
+    path, twin, _ = checkpoints[name]
+    llm = LLM(path, **ENGINE)
+    assert llm.engine.config.quantization == METHODS[CASES[name][0]]
+    gemms = [m.gemm for m in llm.engine.model_runner.model.modules() if hasattr(m, "make_quantized")]
+    if llm.engine.model_runner.backend.int8 is not None and name != "fp8":  # the integers run as they are
+        expected = Int4Gemm if _int4(name) and int8_path == "auto" else Int8Gemm
+        assert gemms and all(type(g) is expected for g in gemms)
+        assert any(g.perm is not None for g in gemms) == CASES[name][1].get("act_order", False)
+    prompts = random_prompts(3, 4, 12, seed=7)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        assert list(out.outputs[0].token_ids) == hf.greedy(twin, prompt, GREEDY.max_tokens), name
+
+
+def test_bf16_engine_runs_an_int4_checkpoint_close_to_its_float_twin(checkpoints):
+    """The default dtype (bf16 activations): the same first tokens as float32 on the same weights."""
+    path, _, _ = checkpoints["gptq-sym"]
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(4, 4, 12, seed=3)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    bf16 = LLM(path, max_model_len=128, num_kvcache_blocks=64).generate(prompts, params, use_tqdm=False)
+    fp32 = LLM(path, **ENGINE).generate(prompts, params, use_tqdm=False)
+    first = [a.outputs[0].token_ids[0] == b.outputs[0].token_ids[0] for a, b in zip(bf16, fp32)]
+    assert sum(first) >= 3
+
+
+def test_mixed_checkpoints_load_with_the_float_modules_as_float(model_dirs, hf, tmp_path):
+    """Layer 1's MLP left in float, and layer 0's k_proj alone: that fused q/k/v layer loads dequantized."""
+    dst, twin = str(tmp_path / "mixed"), str(tmp_path / "mixed-float")
+    skip = (r"layers\.1\.mlp", r"layers\.0\.self_attn\.k_proj")
+    write_quantized_checkpoint(model_dirs["untied-gqa4"], dst, "gptq", twin, skip=skip)
+    llm = LLM(dst, **ENGINE)
+    model = llm.engine.model_runner.model
+    if llm.engine.model_runner.backend.int8 is not None:
+        layers = model.model.layers
+        assert isinstance(layers[0].mlp.down_proj.gemm, Int4Gemm)
+        assert isinstance(layers[1].self_attn.qkv_proj.gemm, Int4Gemm)
+        assert not isinstance(layers[1].mlp.down_proj.gemm, (Int4Gemm, Int8Gemm))
+        assert not isinstance(layers[0].self_attn.qkv_proj.gemm, (Int4Gemm, Int8Gemm))
+    prompt = [5, 9, 14, 3, 77]
+    out = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)
+    assert list(out[0].outputs[0].token_ids) == hf.greedy(twin, prompt, GREEDY.max_tokens)
+
+
+# ---- compressed-tensors' own decompressor as a second oracle -----------------------------------
+
+
+@pytest.mark.parametrize("name", ["ct-w4a16", "ct-w4a16-asym", "ct-w8a8"])
+def test_compressed_tensors_library_decompresses_to_the_same_weights(checkpoints, name):
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors.base import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    path, _, _ = checkpoints[name]
+    with open(os.path.join(path, "config.json")) as f:
+        group = json.load(f)["quantization_config"]["config_groups"]["group_0"]
+    scheme = QuantizationScheme(targets=group["targets"], weights=QuantizationArgs(**group["weights"]))
+    compressor = BaseCompressor.get_value_from_registry(group["format"])
+    decoded = _decoded(path)
+    with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
+        for weight_name, ours in list(decoded.items())[:6]:
+            module = weight_name.rpartition(".")[0]
+            state = {k.rpartition(".")[2]: f.get_tensor(k) for k in f.keys() if k.rpartition(".")[0] == module}
+            theirs = compressor.decompress(state, scheme)["weight"]  # computed in the scales' dtype (fp16)
+            assert theirs.dtype == torch.float16
+            assert torch.equal(ours.dequantize().half(), theirs), weight_name  # one rounding of the same product
+
+
+# ---- tensor parallelism -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind, options", [("gptq", dict(group_size=16)),
+                                           ("gptq", dict(sym=False, version=2, group_size=-1))])
+def test_tensor_parallel_shards_quantized_layers_on_group_boundaries(model_dirs, tmp_path, kind, options):
+    """Groups of 16 split evenly (each rank: 48 of 96 hidden inputs, 80 of 160 MLP ones); per channel,
+    every rank scales its partial sums by the whole channel's scale."""
+    path = str(tmp_path / kind)
+    write_quantized_checkpoint(model_dirs["untied-gqa4"], path, kind, **options)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 4, 10, seed=5)]
+    tp1 = LLM(path, **ENGINE).generate(prompts, GREEDY, use_tqdm=False)
+    tp2_llm = LLM(path, tensor_parallel_size=2, **ENGINE)
+    try:
+        tp2 = tp2_llm.generate(prompts, GREEDY, use_tqdm=False)
+    finally:
+        tp2_llm.close()
+    assert [o.outputs[0].token_ids for o in tp2] == [o.outputs[0].token_ids for o in tp1]
+
+
+def test_tensor_parallel_refuses_layouts_that_cannot_shard(checkpoints):
+    path, _, _ = checkpoints["gptq-asym-act-order"]
+    with pytest.raises(ValueError, match=r"act-order .* cannot be split across tensor_parallel_size=2"):
+        LLM(path, tensor_parallel_size=2, **ENGINE)
+    path, _, _ = checkpoints["gptq-sym"]  # groups of 32: down_proj's 160 inputs split into 80 per rank
+    with pytest.raises(ValueError, match=r"input size 160 in groups of 32 cannot be split across "
+                                         r"tensor_parallel_size=2 ranks: each rank's 80 inputs must be whole groups"):
+        LLM(path, tensor_parallel_size=2, **ENGINE)
+
+
+# ---- refusals --------------------------------------------------------------------------------
+
+
+def _with_config(path: str, dst, **changes) -> str:
+    """A copy of the checkpoint `path` with quantization_config fields changed (None deletes one)."""
+    os.makedirs(dst, exist_ok=True)
+    for name in os.listdir(path):
+        if name != "config.json":
+            os.symlink(os.path.join(path, name), os.path.join(dst, name))
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    for key, value in changes.items():
+        if value is None:
+            config["quantization_config"].pop(key, None)
+        else:
+            config["quantization_config"][key] = value
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f)
+    return str(dst)
+
+
+@pytest.mark.parametrize("name, changes, message", [
+    ("gptq-sym", dict(bits=3), r"quantization_config.bits=3 is not supported \(4 or 8\)"),
+    ("gptq-sym", dict(group_size=7), r"quantization_config.group_size=7 is not supported"),
+    ("gptq-sym", dict(checkpoint_format="marlin"), r"quantization_config.checkpoint_format='marlin'"),
+    ("gptq-sym", dict(quant_method="bitsandbytes"), r"quant_method='bitsandbytes' is not supported"),
+    ("awq", dict(version="gemv"), r"quantization_config.version='gemv' is not supported"),
+    ("awq", dict(zero_point=False), r"quantization_config.zero_point=False"),
+    ("fp8", dict(activation_scheme="static"), r"activation_scheme='static'"),
+    ("fp8", dict(weight_block_size=None), r"weight_block_size=None"),
+    ("ct-w4a16", dict(format="float-quantized"), r"config_groups.group_0.format='float-quantized'"),
+    ("ct-w4a16", dict(quantization_status="frozen"), r"quantization_status='frozen'"),
+])
+def test_unsupported_configs_are_refused_by_field(checkpoints, tmp_path, name, changes, message):
+    path, _, _ = checkpoints[name]
+    if name.startswith("ct-") and "format" in changes:  # the scheme's own format wins over the top-level one
+        with open(os.path.join(path, "config.json")) as f:
+            groups = json.load(f)["quantization_config"]["config_groups"]
+        groups["group_0"]["format"] = changes["format"]
+        changes = dict(config_groups=groups)
+    bad = _with_config(path, tmp_path / "bad", **changes)
+    with pytest.raises(ValueError, match=message) as info:
+        LLM(bad, **ENGINE)
+    assert os.path.join(bad, "config.json") in str(info.value)
+
+
+def test_tensors_that_disagree_with_the_config_are_refused_naming_file_and_tensor(checkpoints, tmp_path):
+    path, _, _ = checkpoints["gptq-sym"]
+    bad = tmp_path / "bad"
+    os.makedirs(bad)
+    for name in os.listdir(path):
+        if name != "model.safetensors":
+            os.symlink(os.path.join(path, name), bad / name)
+    with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    victim = "model.layers.1.mlp.down_proj.scales"
+    tensors[victim] = tensors[victim][:-1].clone()  # one group short
+    save_file(tensors, str(bad / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"model.safetensors: tensor '{victim}' .* must have shape \[5, 96\] "
+                                         r"\(bits=4, group_size=32"):
+        LLM(str(bad), **ENGINE)
+    # a config that declares another bit width than the tensors hold: the shapes disagree
+    with pytest.raises(ValueError, match=r"tensor 'model.layers.0.mlp.down_proj.scales' .* must have shape"):
+        LLM(_with_config(path, tmp_path / "bits8", bits=8), **ENGINE)
+
+
+def test_the_quantization_argument_must_agree_with_the_checkpoint(checkpoints, tiny_model):
+    path, _, _ = checkpoints["gptq-sym"]
+    assert LLM(path, quantization="gptq", **ENGINE).engine.config.quantization == "gptq"
+    for wrong in ("awq", "int8"):
+        with pytest.raises(ValueError, match=rf"quantization='{wrong}' disagrees with .*config.json.*'gptq'"):
+            LLM(path, quantization=wrong, **ENGINE)
+    with pytest.raises(ValueError, match="quantization='fp8' is not supported with .* no quantization_config"):
+        LLM(tiny_model, quantization="fp8")
