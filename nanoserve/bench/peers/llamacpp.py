@@ -108,9 +108,6 @@ class LlamaCppPeer:
         self._tail = ""  # the last lines of the latest batched-bench output, for error messages
 
     def start(self) -> list[str]:
-        if self.settings.device != "cpu":
-            raise PeerUnavailable("the llama.cpp peer runs llama.cpp's CPU build; this run is on "
-                                  + self.settings.device)
         self.gguf = ensure_gguf(self.settings.model, self.quant, self.source, self.binaries["llama-quantize"])
         n, p, g = self.lengths
         return [f"{self.gguf}: {n} sequences x {p} prompt + {g} output tokens (the workload's count and mean "
@@ -158,6 +155,8 @@ def llamacpp_peers(settings: PeerSettings, requests: list[Request], quants: list
     """One peer per quantization, sharing one llama.cpp build (found, else built) and its source."""
     for quant in quants:  # before finding or building anything
         check_quantization(quant)
+    if settings.device != "cpu":
+        raise PeerUnavailable(f"the llama.cpp peer runs llama.cpp's CPU build; this run is on {settings.device}")
     binaries, directory = find_binaries(build_dir)  # the dir they were found in, else the one to build into
     src = find_source(source, directory)
     if binaries is None:
