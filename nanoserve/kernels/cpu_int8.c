@@ -382,12 +382,10 @@ int int8_gemm_w8a8(const int16_t *xq, const float *xs, int64_t M, int64_t K, con
 /* holds column j in its low nibble and column j + 8 in its high one, q unsigned in [0, 15].       */
 /* w[n, k] = (q - z) * s per group, so y = sum_g s * (x . q)_g - z * s * (sum of x over g): the    */
 /* group's sums of x times q, then once per group + xsum[m, g] * offsets (offsets = -z * s).       */
-/* Nibbles are widened to float32 in registers (vpand / vpsrlw, vpmovzxbd, vcvtdq2ps) and run the  */
+/* Nibbles are widened to float32 in registers (vpmovzxbd, vpand / vpsrld, vcvtdq2ps) and run the  */
 /* W8A16 tile's FMAs: at 1-4 rows the GEMM streams weights, and their bytes are what it saves.    */
 
 #if defined(__AVX2__) && defined(__FMA__)
-static inline __m256 widen_u8x8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
-
 /* tile[r] += lo/hi * scale + xsum * offset (one group's partial sums of row r) */
 static inline void flush_row_zp(float *t, __m256 lo, __m256 hi, __m256 s0, __m256 s1, __m256 o0, __m256 o1,
                                 float xsum) {
@@ -402,7 +400,7 @@ static inline __attribute__((always_inline)) void w4a16_tile(const int mb, const
                                                               int64_t Np, int64_t group, int64_t n0, int64_t nn,
                                                               int64_t N, const float *bias, float *y) {
     const uint8_t *panel = (const uint8_t *)panel_bytes_;
-    const __m128i nibble = _mm_set1_epi8(0x0F);
+    const __m256i nibble = _mm256_set1_epi32(0x0F);
     float tile[6][I8_PANEL] = {{0}};
     const float *x0 = x + m0 * K, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K, *x4 = x3 + K, *x5 = x4 + K;
     const float *g0r = xg + m0 * G;
@@ -411,9 +409,10 @@ static inline __attribute__((always_inline)) void w4a16_tile(const int mb, const
         __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
         __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
         for (int64_t k = g0; k < g1; k++) {
-            const __m128i v = _mm_loadl_epi64((const __m128i *)(panel + k * 8));
-            const __m256 w0 = widen_u8x8(_mm_and_si128(v, nibble));                    /* columns 0-7 */
-            const __m256 w1 = widen_u8x8(_mm_and_si128(_mm_srli_epi16(v, 4), nibble)); /* columns 8-15 */
+            /* bytes to int32 lanes first: then one AND and one shift split all 16 nibbles */
+            const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(panel + k * 8)));
+            const __m256 w0 = _mm256_cvtepi32_ps(_mm256_and_si256(v, nibble)); /* columns 0-7 */
+            const __m256 w1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));      /* columns 8-15 */
             __m256 b = _mm256_broadcast_ss(x0 + k);
             c00 = _mm256_fmadd_ps(b, w0, c00), c01 = _mm256_fmadd_ps(b, w1, c01);
             if (mb > 1) b = _mm256_broadcast_ss(x1 + k), c10 = _mm256_fmadd_ps(b, w0, c10), c11 = _mm256_fmadd_ps(b, w1, c11);

@@ -56,8 +56,8 @@ def resolve_quantization(requested: str | None, hf_config: dict, source: str) ->
     fmt = checkpoint_format(hf_config, source)
     if fmt is None:
         if requested not in (None, LOAD_TIME):
-            raise ValueError(f"quantization={requested!r} is not supported with {source}: it has no "
-                             "quantization_config (a float checkpoint: None, or 'int8' to quantize it at load)")
+            raise ValueError(f"quantization={requested!r} is not supported ({source} has no quantization_config: "
+                             "a float checkpoint takes None, or 'int8' to quantize it at load)")
         return requested
     if requested not in (None, fmt.method):
         raise ValueError(f"quantization={requested!r} disagrees with {source}, whose quantization_config.quant_method "
