@@ -238,6 +238,22 @@ static inline __attribute__((always_inline)) void w8a8_tile(const int mb, const 
     store_rows(mb, tile, y, m0, N, n0, nn, xs, bias);
 }
 
+/* Rows r0..r1 of one panel as 6-row tiles, then the remainder (TILE's first argument: its rows; it
+   reads m0, the tile's first row). */
+#define I8_ROW_TILES(TILE, ...)                                                                  \
+    do {                                                                                         \
+        int64_t m0 = r0;                                                                         \
+        for (; m0 + 6 <= r1; m0 += 6) TILE(6, __VA_ARGS__);                                      \
+        switch (r1 - m0) {                                                                       \
+            case 5: TILE(5, __VA_ARGS__); break;                                                 \
+            case 4: TILE(4, __VA_ARGS__); break;                                                 \
+            case 3: TILE(3, __VA_ARGS__); break;                                                 \
+            case 2: TILE(2, __VA_ARGS__); break;                                                 \
+            case 1: TILE(1, __VA_ARGS__); break;                                                 \
+            default: break;                                                                      \
+        }                                                                                        \
+    } while (0)
+
 /* Row blocks outermost, then panels split across threads, then 6-row tiles (as panel_gemm_bf16). */
 #define I8_DRIVE(TILE, ...)                                                                      \
     do {                                                                                         \
@@ -248,16 +264,7 @@ static inline __attribute__((always_inline)) void w8a8_tile(const int mb, const 
             for (int64_t p = 0; p < num_panels; p++) {                                           \
                 const int8_t *panel = panels + p * panel_bytes;                                  \
                 const int64_t n0 = p * I8_PANEL, nn = N - n0 < I8_PANEL ? N - n0 : I8_PANEL;      \
-                int64_t m0 = r0;                                                                 \
-                for (; m0 + 6 <= r1; m0 += 6) TILE(6, __VA_ARGS__);                              \
-                switch (r1 - m0) {                                                               \
-                    case 5: TILE(5, __VA_ARGS__); break;                                         \
-                    case 4: TILE(4, __VA_ARGS__); break;                                         \
-                    case 3: TILE(3, __VA_ARGS__); break;                                         \
-                    case 2: TILE(2, __VA_ARGS__); break;                                         \
-                    case 1: TILE(1, __VA_ARGS__); break;                                         \
-                    default: break;                                                              \
-                }                                                                                \
+                I8_ROW_TILES(TILE, __VA_ARGS__);                                                 \
             }                                                                                    \
         }                                                                                        \
     } while (0)
@@ -298,17 +305,7 @@ int int8_gemm_w8a16(const float *x, int64_t M, int64_t K, const int8_t *panels, 
                                          _mm256_mul_ps(widen_i8x8(panel + k * I8_PANEL + 8), s1));
                     }
                 }
-                int64_t m0 = r0;
-                for (; m0 + 6 <= r1; m0 += 6)
-                    w8a16_tile(6, x, m0, K, Kp, panel, scales, Np, group, n0, nn, N, bias, y, wf);
-                switch (r1 - m0) {
-                    case 5: w8a16_tile(5, x, m0, K, Kp, panel, scales, Np, group, n0, nn, N, bias, y, wf); break;
-                    case 4: w8a16_tile(4, x, m0, K, Kp, panel, scales, Np, group, n0, nn, N, bias, y, wf); break;
-                    case 3: w8a16_tile(3, x, m0, K, Kp, panel, scales, Np, group, n0, nn, N, bias, y, wf); break;
-                    case 2: w8a16_tile(2, x, m0, K, Kp, panel, scales, Np, group, n0, nn, N, bias, y, wf); break;
-                    case 1: w8a16_tile(1, x, m0, K, Kp, panel, scales, Np, group, n0, nn, N, bias, y, wf); break;
-                    default: break;
-                }
+                I8_ROW_TILES(w8a16_tile, x, m0, K, Kp, panel, scales, Np, group, n0, nn, N, bias, y, wf);
             }
             free(wf);
         }
@@ -353,17 +350,7 @@ int int8_gemm_w8a8(const int16_t *xq, const float *xs, int64_t M, int64_t K, con
                     _mm256_storeu_si256((__m256i *)(ws + k * I8_PANEL + 16),
                                         _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(a, b)));
                 }
-                int64_t m0 = r0;
-                for (; m0 + 6 <= r1; m0 += 6)
-                    w8a8_tile(6, xq, xs, m0, K, Kp, panel, scales, Np, group, n0, nn, N, bias, y, ws);
-                switch (r1 - m0) {
-                    case 5: w8a8_tile(5, xq, xs, m0, K, Kp, panel, scales, Np, group, n0, nn, N, bias, y, ws); break;
-                    case 4: w8a8_tile(4, xq, xs, m0, K, Kp, panel, scales, Np, group, n0, nn, N, bias, y, ws); break;
-                    case 3: w8a8_tile(3, xq, xs, m0, K, Kp, panel, scales, Np, group, n0, nn, N, bias, y, ws); break;
-                    case 2: w8a8_tile(2, xq, xs, m0, K, Kp, panel, scales, Np, group, n0, nn, N, bias, y, ws); break;
-                    case 1: w8a8_tile(1, xq, xs, m0, K, Kp, panel, scales, Np, group, n0, nn, N, bias, y, ws); break;
-                    default: break;
-                }
+                I8_ROW_TILES(w8a8_tile, xq, xs, m0, K, Kp, panel, scales, Np, group, n0, nn, N, bias, y, ws);
             }
             free(ws);
         }
