@@ -1,5 +1,7 @@
-"""The W4A16 kernel of cpu_int8.c (4-bit weights with group zero points and scales) against its
-PyTorch reference, and the split of a checkpoint's q - z integers into nibbles and zero points."""
+"""The W4A16 and W4A8 kernels of cpu_int8.c (4-bit weights with group zero points and scales)
+against their PyTorch references, W4A8's activation quantization (blocks of 32, outliers kept
+exact) against its reference, and the split of a checkpoint's q - z integers into nibbles and
+zero points."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +9,8 @@ import torch
 
 from nanoserve.kernels import cpu_kernels
 from nanoserve.kernels.cpu_int8 import (
-    PANEL, Int4Kernels, Int8Kernels, fits_int4, int4_gemm_w4a16_torch, pack_int4, quantize_weight_int8, split_int4,
+    PANEL, W4A8_BLOCK, W4A8_MAX_OUTLIERS, Int4Kernels, Int8Kernels, fits_int4, int4_gemm_w4a8_torch,
+    int4_gemm_w4a16_torch, pack_int4, quantize_blocks_int8_torch, quantize_weight_int8, split_int4,
 )
 
 LIB = cpu_kernels.load()
@@ -67,3 +70,69 @@ def test_values_spanning_more_than_16_levels_in_a_group_do_not_fit_int4():
     values[2, 40] = 16  # group 1 of row 2 spans 0 .. 16: 17 levels
     assert not fits_int4(values, 32)
     assert fits_int4(values, 64) is False and fits_int4(values[:, :32], 32)
+
+
+# ---- W4A8 -----------------------------------------------------------------------------------------
+
+# groups W4A8 takes: whole blocks of 32 inputs, or one group spanning K; K a multiple of 32 or not,
+# N not a multiple of 16, a K shorter than one block.
+W4A8_SHAPES = [(101, 64, 32), (40, 97, 97), (33, 200, 64), (16, 3, 3), (20, 70, 32), (48, 256, 128)]
+
+
+def _with_outliers(x: torch.Tensor, seed: int) -> torch.Tensor:
+    """A few input channels 20-100x the rest, as the hidden states of LLaMA/Qwen-class models have."""
+    g = torch.Generator().manual_seed(seed)
+    channels = torch.randperm(x.shape[1], generator=g)[: max(1, x.shape[1] // 40)]
+    x = x.clone()
+    x[:, channels] *= 20 + 80 * torch.rand(len(channels), generator=g)
+    return x
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("n, k, group", W4A8_SHAPES)
+def test_w4a8_kernel_matches_reference(rows, n, k, group):
+    q, zeros, scales, x, bias = _case(rows, n, k, group, rows * 1000 + n + k)
+    x = _with_outliers(x, rows + k)
+    packed = pack_int4(q, zeros, scales, group, w4a8=True)
+    for b in (None, bias):
+        got = KERNELS(x, packed, b)
+        ref = int4_gemm_w4a8_torch(x, q, zeros, scales, group, b)
+        assert got.shape == (rows, n) and got.dtype == torch.float32
+        torch.testing.assert_close(got, ref, atol=2e-5 * ref.abs().max().item(), rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows, k", [(1, 64), (7, 97), (300, 1024), (3, 3)])
+def test_w4a8_activation_quantization_equals_reference_exactly(rows, k):
+    x = _with_outliers(torch.randn(rows, k, generator=torch.Generator().manual_seed(k)) * 2, rows)
+    x[0, : min(k, 40)] = 0.0  # an all-zero block: scale 0, no outlier
+    qx, xs, outlier = quantize_blocks_int8_torch(x)
+    got_qx, got_xs, _, count, inputs, values = KERNELS.quantize_blocks(x, k)
+    assert torch.equal(got_qx, qx) and torch.equal(got_xs, xs)
+    assert got_qx.shape == (rows, -(-k // W4A8_BLOCK) * W4A8_BLOCK) and int(got_qx.abs().max()) <= 127
+    assert torch.equal(count.long(), outlier.sum(1))
+    for m in range(rows):  # the outliers' inputs in order, their values exactly x's
+        cols = outlier[m].nonzero().flatten()
+        assert torch.equal(inputs[m, : count[m]].long(), cols) and torch.equal(values[m, : count[m]], x[m, cols])
+    assert int(count.max()) <= -(-k // W4A8_BLOCK) * W4A8_MAX_OUTLIERS
+
+
+@needs_kernel
+def test_w4a8_keeps_outlier_channels_exact_so_their_blocks_keep_their_resolution():
+    """With 100x channels, per-block int8 alone would round their blocks' other inputs to a few
+    levels; kept exact, W4A8 stays within ~1% of the exact-activation W4A16."""
+    q, zeros, scales, x, _ = _case(16, 64, 512, 128, 5)
+    x[:, [3, 130, 300]] = 300.0 * torch.sign(x[:, [3, 130, 300]])  # x is ~N(0, 9): 100 standard deviations
+    ref = KERNELS.w4a16(x, pack_int4(q, zeros, scales, 128))
+    got = KERNELS(x, pack_int4(q, zeros, scales, 128, w4a8=True))
+    assert int(KERNELS.quantize_blocks(x, 128)[3].min()) >= 3  # every row: the three channels at least
+    assert (got - ref).norm() / ref.norm() < 0.01
+
+
+def test_w4a8_refuses_groups_that_split_its_activation_blocks():
+    q, zeros, scales, _, _ = _case(1, 16, 64, 16, 0)
+    with pytest.raises(ValueError, match="group_size a multiple of 32"):
+        pack_int4(q, zeros, scales, 16, w4a8=True)
+    with pytest.raises(ValueError, match="w4a16 takes"):
+        Int4Kernels.w4a16(KERNELS, torch.zeros(1, 64), pack_int4(*_case(1, 16, 64, 32, 0)[:3], 32, w4a8=True))

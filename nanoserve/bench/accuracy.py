@@ -115,12 +115,13 @@ def _top1(entry: dict) -> int:
 
 def measure_accuracy(model: str, prompts: list[list[int]], num_tokens: int, paths: dict[str, dict],
                      **llm_kwargs) -> tuple[list[PathAccuracy], list[list[int]]]:
-    """paths: name -> {"quantization": ..., "int8": NANOSERVE_CPU_INT8 or None, "llm": other LLM kwargs}; the first is the
-    reference (bf16) that makes the teacher tokens. Returns each path's figures and the teachers."""
+    """paths: name -> {"quantization": ..., "int8": NANOSERVE_CPU_INT8 or None, "llm": other LLM kwargs, "model": another
+    checkpoint (e.g. a quantized one's float twin) instead of `model`}; the first is the reference that makes the teacher
+    tokens. Returns each path's figures and the teachers."""
     results, reference, teachers = [], None, None
     for name, spec in paths.items():
         with int8_path(spec.get("int8")):
-            llm = LLM(model, quantization=spec.get("quantization"), **{**llm_kwargs, **spec.get("llm", {})})
+            llm = LLM(spec.get("model", model), quantization=spec.get("quantization"), **{**llm_kwargs, **spec.get("llm", {})})
         if teachers is None:
             params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True, detokenize=False)
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

@@ -15,8 +15,10 @@
                (nanoserve/quantization) run through the same kernels as they are, with the
                format's group scales.
   Int4Gemm     a pre-quantized int4 checkpoint (GPTQ, AWQ, compressed-tensors): 4-bit weights with
-               group zero points and scales, half the int8 bytes, widened to float32 in registers
-               (W4A16, cpu_int8.c), exact: q - z as the checkpoint stores it.
+               group zero points and scales, half the int8 bytes, q - z as the checkpoint stores it.
+               W4A8 (activations quantized per block of 32 inputs, integer multiply-adds on the
+               nibbles) where the groups allow it; W4A16 (nibbles widened to float32, exact
+               activations) otherwise or on request.
 
 oneDNN keeps state for every distinct row count it sees, so resident memory grows without bound
 when each step has a new token count; the oneDNN and F.linear paths therefore pad the rows to a
@@ -120,17 +122,18 @@ class Int8Gemm:
 
 
 class Int4Gemm:
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, kernels: Int4Kernels,
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, kernels: Int4Kernels, w4a8: bool,
                  out_dtype: torch.dtype | None = None) -> None:
-        """weight: a checkpoint's integers that fit 4 bits per group (cpu_int8.fits_int4)."""
+        """weight: a checkpoint's integers that fit 4 bits per group (cpu_int8.fits_int4). w4a8: run W4A8
+        (cpu_int8.w4a8_supported), else W4A16."""
         self.kernels, self.out_dtype, self.perm = kernels, out_dtype, weight.perm
         q, zeros = split_int4(weight.qweight, weight.group_size)
-        self.weight = pack_int4(q, zeros, weight.scales, weight.group_size)
+        self.weight = pack_int4(q, zeros, weight.scales, weight.group_size, w4a8)
         self.bias = bias.detach().float().contiguous() if bias is not None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)  # [rows, in]
         if self.perm is not None:
             x2 = x2.index_select(1, self.perm)  # groups contiguous, as the weight was packed
-        y = self.kernels.w4a16(x2, self.weight, self.bias)
+        y = self.kernels(x2, self.weight, self.bias)
         return y.view(*x.shape[:-1], y.shape[-1]).to(self.out_dtype or x.dtype)

@@ -451,6 +451,174 @@ int int4_gemm_w4a16(const float *x, int64_t M, int64_t K, const int8_t *panels, 
 }
 
 /* ------------------------------------------------------------------------------------------ */
+/* W4A8: the same 4-bit weights against activations quantized to int8 per block of 32 inputs     */
+/* (llama.cpp's Q8_0 blocks: an outlier channel coarsens only its own block), multiplied with     */
+/* vpmaddubsw (u8 nibble x s8 activation, two products summed into int16). |q * x| <= 15 * 127,   */
+/* so eight such instructions add up in int16 before one vpmaddwd widens them (8 * 2 * 15 * 127   */
+/* < 32767): about 1.8 int8 multiply-adds per multiply-port slot for every float32 FMA, and no    */
+/* nibble is ever converted to float. Weights packed for it: panels of 16 columns, [ceil(N/16)]    */
+/* [Kp/8][2][32] bytes (Kp = K rounded up to 32): in half h of step s, byte b holds column         */
+/* 8h + b/4 at input 8s + b%4 (low nibble) and 8s + 4 + b%4 (high), so one AND (and one shift)    */
+/* gives 8 columns x 4 consecutive inputs, the operand layout vpmaddubsw sums along K.            */
+/* y[m, n] = sum_b xs[m, b] * s[n, g(b)] * (xq_b . q_b) + sum_g xg[m, g] * offsets[n, g],         */
+/* xg[m, g] = sum over the group's blocks of xs * (sum of xq): the zero points' term, per group.  */
+/* (pack_int4 in cpu_int8.py writes this layout.)                                                  */
+
+#define W4_BLOCK 32 /* inputs per activation scale; groups are whole blocks (or one group spans K) */
+#define W4_ROWS 4   /* rows per tile: 8 int16 accumulators + the weights fit the 16 ymm registers */
+#define W4_OUTLIER 4.0 /* x is an outlier above 4x its block's mean |x|: ~3.2 sigma for Gaussian values */
+#define W4_MAX_OUTLIERS 8 /* per block: k outliers hold > k * 4 / 32 of the block's sum of |x|, so k < 8 */
+
+/* x [M, K] float32 -> xq [M, Kp] int8 (zero past K), xs [M, Kp / 32] and xg [M, ceil(K / group)]
+   float32, and each row's outliers. An outlier is a value above W4_OUTLIER times its block's mean
+   |x| (a hidden channel 20-100x the rest, as LLaMA/Qwen-class models have): it would set the
+   block's scale and round the other 31 values of its block to a few levels, so it is taken out
+   (xq = 0) and kept exactly, on[m] of them per row at ok[m, i] (input) and ov[m, i] (value),
+   added in float32 by the GEMM. Per block, of the rest: scale = amax / 127, xq = round-half-even(
+   x * (127 / amax)). The mean is summed in double so that the PyTorch reference decides alike. */
+void quantize_blocks_int8(const float *x, int64_t M, int64_t K, int64_t Kp, int64_t group, int8_t *xq, float *xs,
+                          float *xg, int32_t *on, int32_t *ok, float *ov, int num_threads) {
+    const int64_t B = Kp / W4_BLOCK, G = (K + group - 1) / group, E = B * W4_MAX_OUTLIERS;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * K > 32768)
+    for (int64_t m = 0; m < M; m++) {
+        const float *xr = x + m * K;
+        int32_t n_out = 0;
+        for (int64_t g = 0; g < G; g++) xg[m * G + g] = 0.0f;
+        for (int64_t b = 0; b < B; b++) {
+            const int64_t k0 = b * W4_BLOCK, k1 = k0 + W4_BLOCK < K ? k0 + W4_BLOCK : K;
+            double abs_sum = 0.0;
+            for (int64_t k = k0; k < k1; k++) abs_sum += fabs((double)xr[k]);
+            const double limit = W4_OUTLIER * abs_sum / (double)(k1 - k0);
+            float amax = 0.0f;
+            for (int64_t k = k0; k < k1; k++) {
+                if ((double)fabsf(xr[k]) > limit) {
+                    ok[m * E + n_out] = (int32_t)k, ov[m * E + n_out] = xr[k], n_out++;
+                } else {
+                    amax = fmaxf(amax, fabsf(xr[k]));
+                }
+            }
+            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f, scale = amax / 127.0f;
+            int32_t sum = 0;
+            for (int64_t k = k0; k < k0 + W4_BLOCK; k++) {
+                const int32_t q = k < k1 && (double)fabsf(xr[k]) <= limit ? (int32_t)nearbyintf(xr[k] * inv) : 0;
+                xq[m * Kp + k] = (int8_t)q;
+                sum += q;
+            }
+            xs[m * B + b] = scale;
+            xg[m * G + k0 / group] += scale * (float)sum;
+        }
+        on[m] = n_out;
+    }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __attribute__((always_inline)) void w4a8_tile(const int mb, const int8_t *xq, const float *xs,
+                                                             const float *xg, const int32_t *on, const int32_t *ok,
+                                                             const float *ov, int64_t m0, int64_t Kp, int64_t G,
+                                                             const uint8_t *panel, const float *scales,
+                                                             const float *offsets, int64_t Np, int64_t group,
+                                                             int64_t n0, int64_t nn, int64_t N, const float *bias,
+                                                             float *y) {
+    const int64_t B = Kp / W4_BLOCK;
+    const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi32(0x0F);
+    const int64_t E = B * W4_MAX_OUTLIERS;
+    __m256 t00 = _mm256_setzero_ps(), t01 = t00, t10 = t00, t11 = t00, t20 = t00, t21 = t00, t30 = t00, t31 = t00;
+    for (int64_t b = 0; b < B; b++) {
+        __m256i a00 = _mm256_setzero_si256(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00,
+                a31 = a00;
+        const uint8_t *w = panel + b * W4_BLOCK * (I8_PANEL / 2);
+        const int8_t *xb = xq + m0 * Kp + b * W4_BLOCK;
+        for (int s = 0; s < W4_BLOCK / 8; s++, w += 64, xb += 8) {
+            const __m256i va = _mm256_loadu_si256((const __m256i *)w), vb = _mm256_loadu_si256((const __m256i *)(w + 32));
+            const __m256i wa0 = _mm256_and_si256(va, nibble), wa1 = _mm256_and_si256(_mm256_srli_epi16(va, 4), nibble);
+            const __m256i wb0 = _mm256_and_si256(vb, nibble), wb1 = _mm256_and_si256(_mm256_srli_epi16(vb, 4), nibble);
+#define W4_ROW(r, lo, hi)                                                                                   \
+    if (mb > r) {                                                                                         \
+        int32_t q0, q1; /* 4 inputs each, broadcast to the 8 columns */                                   \
+        memcpy(&q0, xb + r * Kp, 4), memcpy(&q1, xb + r * Kp + 4, 4);                                     \
+        const __m256i x0 = _mm256_set1_epi32(q0), x1 = _mm256_set1_epi32(q1);                            \
+        lo = _mm256_add_epi16(lo, _mm256_add_epi16(_mm256_maddubs_epi16(wa0, x0), _mm256_maddubs_epi16(wa1, x1))); \
+        hi = _mm256_add_epi16(hi, _mm256_add_epi16(_mm256_maddubs_epi16(wb0, x0), _mm256_maddubs_epi16(wb1, x1))); \
+    }
+            W4_ROW(0, a00, a01) W4_ROW(1, a10, a11) W4_ROW(2, a20, a21) W4_ROW(3, a30, a31)
+#undef W4_ROW
+        }
+        const int64_t g = b * W4_BLOCK / group;
+        const __m256 s0 = _mm256_loadu_ps(scales + g * Np + n0), s1 = _mm256_loadu_ps(scales + g * Np + n0 + 8);
+#define W4_FLUSH(r, lo, hi, tlo, thi)                                                                       \
+    if (mb > r) {                                                                                         \
+        const __m256 xsb = _mm256_set1_ps(xs[(m0 + r) * B + b]);                                          \
+        tlo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(lo, ones)), _mm256_mul_ps(s0, xsb), tlo); \
+        thi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(hi, ones)), _mm256_mul_ps(s1, xsb), thi); \
+    }
+        W4_FLUSH(0, a00, a01, t00, t01) W4_FLUSH(1, a10, a11, t10, t11)
+        W4_FLUSH(2, a20, a21, t20, t21) W4_FLUSH(3, a30, a31, t30, t31)
+#undef W4_FLUSH
+    }
+    float tile[6][I8_PANEL];
+    const __m256 acc[W4_ROWS][2] = {{t00, t01}, {t10, t11}, {t20, t21}, {t30, t31}};
+    for (int r = 0; r < mb; r++) {
+        __m256 lo = acc[r][0], hi = acc[r][1];
+        const int64_t m = m0 + r;
+        for (int32_t i = 0; i < on[m]; i++) {  /* outliers: x * (q - z) * s in float32, q read from the panel */
+            const int64_t k = ok[m * E + i], kk = k % 8, g = k / group;
+            const __m128i shift = _mm_cvtsi32_si128((int)(8 * (kk % 4) + 4 * (kk / 4)));
+            const uint8_t *w = panel + (k / 8) * 64;
+            const __m256i qlo = _mm256_and_si256(_mm256_srl_epi32(_mm256_loadu_si256((const __m256i *)w), shift), low4);
+            const __m256i qhi = _mm256_and_si256(_mm256_srl_epi32(_mm256_loadu_si256((const __m256i *)(w + 32)), shift), low4);
+            const __m256 v = _mm256_set1_ps(ov[m * E + i]);
+            const __m256 wlo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(qlo), _mm256_loadu_ps(scales + g * Np + n0),
+                                               _mm256_loadu_ps(offsets + g * Np + n0));
+            const __m256 whi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(qhi), _mm256_loadu_ps(scales + g * Np + n0 + 8),
+                                               _mm256_loadu_ps(offsets + g * Np + n0 + 8));
+            lo = _mm256_fmadd_ps(v, wlo, lo), hi = _mm256_fmadd_ps(v, whi, hi);
+        }
+        for (int64_t g = 0; g < G; g++) {  /* the zero points: once per group */
+            const __m256 xsum = _mm256_set1_ps(xg[(m0 + r) * G + g]);
+            lo = _mm256_fmadd_ps(xsum, _mm256_loadu_ps(offsets + g * Np + n0), lo);
+            hi = _mm256_fmadd_ps(xsum, _mm256_loadu_ps(offsets + g * Np + n0 + 8), hi);
+        }
+        _mm256_storeu_ps(tile[r], lo), _mm256_storeu_ps(tile[r] + 8, hi);
+    }
+    store_rows(mb, tile, y, m0, N, n0, nn, NULL, bias);
+}
+#endif
+
+/* y[M, N] from quantize_blocks_int8's xq, xs, xg, on, ok, ov and the W4A8 panels; scales and offsets as
+   for W4A16. group: a multiple of 32, or >= K (one group). Returns 1 without AVX2/FMA. */
+int int4_gemm_w4a8(const int8_t *xq, const float *xs, const float *xg, const int32_t *on, const int32_t *ok,
+                   const float *ov, int64_t M, int64_t K, int64_t Kp,
+                   const uint8_t *panels, const float *scales, const float *offsets, int64_t group, int64_t N,
+                   const float *bias, float *y, int num_threads) {
+#if defined(__AVX2__) && defined(__FMA__)
+    const int64_t num_panels = (N + I8_PANEL - 1) / I8_PANEL, Np = num_panels * I8_PANEL;
+    const int64_t G = (K + group - 1) / group, panel_bytes = Kp * (I8_PANEL / 2);
+    for (int64_t r0 = 0; r0 < M; r0 += I8_ROW_BLOCK) {
+        const int64_t r1 = M - r0 < I8_ROW_BLOCK ? M : r0 + I8_ROW_BLOCK;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t p = 0; p < num_panels; p++) {
+            const uint8_t *panel = panels + p * panel_bytes;
+            const int64_t n0 = p * I8_PANEL, nn = N - n0 < I8_PANEL ? N - n0 : I8_PANEL;
+            int64_t m0 = r0;
+            for (; m0 + W4_ROWS <= r1; m0 += W4_ROWS)
+                w4a8_tile(W4_ROWS, xq, xs, xg, on, ok, ov, m0, Kp, G, panel, scales, offsets, Np, group, n0, nn, N, bias, y);
+            switch (r1 - m0) {
+                case 3: w4a8_tile(3, xq, xs, xg, on, ok, ov, m0, Kp, G, panel, scales, offsets, Np, group, n0, nn, N, bias, y); break;
+                case 2: w4a8_tile(2, xq, xs, xg, on, ok, ov, m0, Kp, G, panel, scales, offsets, Np, group, n0, nn, N, bias, y); break;
+                case 1: w4a8_tile(1, xq, xs, xg, on, ok, ov, m0, Kp, G, panel, scales, offsets, Np, group, n0, nn, N, bias, y); break;
+                default: break;
+            }
+        }
+    }
+    return 0;
+#else
+    (void)xq; (void)xs; (void)xg; (void)on; (void)ok; (void)ov; (void)M; (void)K; (void)Kp; (void)panels; (void)scales; (void)offsets;
+    (void)group; (void)N; (void)bias; (void)y; (void)num_threads;
+    return 1;
+#endif
+}
+
+/* ------------------------------------------------------------------------------------------ */
 /* Instruction peaks: register-only loops, no memory traffic, 12 independent dependency chains  */
 /* per thread (more than latency x throughput on any AVX2 core). Each chain feeds its own       */
 /* result back as the next input, so no two chains compute the same value (the compiler would  */

@@ -13,6 +13,10 @@ A third kernel, W4A16, runs 4-bit weights with zero points (int4 checkpoints: GP
 compressed-tensors), half the int8 bytes: w = (q - z) * s per group, q in [0, 15]. It takes the
 integers a checkpoint decodes to (nanoserve/quantization/weight.py: q - z as int8) whenever each
 group of them spans at most 16 values (split_int4 recovers q and z; every genuine int4 group does).
+A fourth, W4A8, runs the same 4-bit weights against activations quantized to int8 per block of 32
+inputs (one scale per block, llama.cpp's Q8_0 rounding), with integer multiply-adds, except for
+outliers (values far above their block's mean |x|), which stay exact in float32:
+  W4A8   y = x_hat . ((q - z) * s)^T, x_hat = qx * xs per block, x itself at the outliers.
 """
 from __future__ import annotations
 
@@ -209,50 +213,138 @@ def int4_gemm_w4a16_torch(x: torch.Tensor, q: torch.Tensor, zeros: torch.Tensor,
     return (y + bias.double() if bias is not None else y).float()
 
 
+W4A8_BLOCK = 32  # inputs per activation scale in W4A8 (cpu_int8.c's W4_BLOCK)
+W4A8_OUTLIER = 4.0  # an activation above this times its block's mean |x| stays exact (cpu_int8.c's W4_OUTLIER)
+W4A8_MAX_OUTLIERS = 8  # per block, at most (cpu_int8.c's W4_MAX_OUTLIERS)
+
+
+def w4a8_supported(group_size: int, in_features: int) -> bool:
+    """W4A8 needs each weight group to be whole activation blocks (or one group spanning K)."""
+    return group_size % W4A8_BLOCK == 0 or group_size >= in_features
+
+
+def quantize_blocks_int8_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] float32 -> (qx [M, Kp] int8, zero past K and at outliers; xs [M, Kp / 32] float32;
+    outliers [M, K] bool), Kp = K rounded up to 32. The same float operations as quantize_blocks_int8
+    in C: per block of 32 inputs, a value above W4A8_OUTLIER times the block's mean |x| is an outlier
+    (kept exactly, out of qx); of the rest, qx = round-half-even(x * (127 / amax)), xs = amax / 127."""
+    m, k = x.shape
+    kp = -(-k // W4A8_BLOCK) * W4A8_BLOCK
+    blocks = torch.cat([x, x.new_zeros(m, kp - k)], dim=1).view(m, kp // W4A8_BLOCK, W4A8_BLOCK)
+    real = (torch.arange(kp) < k).view(kp // W4A8_BLOCK, W4A8_BLOCK).sum(-1).double()  # inputs per block
+    limit = W4A8_OUTLIER * blocks.double().abs().sum(-1) / real
+    outlier = blocks.abs().double() > limit[..., None]
+    kept = torch.where(outlier, torch.zeros_like(blocks), blocks)
+    amax = kept.abs().amax(dim=2)
+    inv = torch.where(amax > 0, QMAX / amax, torch.zeros_like(amax))
+    qx = torch.round(kept * inv[..., None]).to(torch.int8).view(m, kp)
+    return qx, amax / QMAX, outlier.view(m, kp)[:, :k]
+
+
+def int4_gemm_w4a8_torch(x: torch.Tensor, q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+                         group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] float32, quantized per block of 32 inputs (outliers exact), times the 4-bit weight -> [M, N]."""
+    m, k = x.shape
+    qx, xs, outlier = quantize_blocks_int8_torch(x.float())
+    x_hat = (qx.double().view(m, -1, W4A8_BLOCK) * xs.double()[..., None]).view(m, -1)[:, :k]
+    x_hat = torch.where(outlier, x.double(), x_hat)
+    return int4_gemm_w4a16_torch(x_hat, q, zeros, scales, group_size, bias)
+
+
 @dataclass(frozen=True)
 class PackedInt4:
-    """A 4-bit weight packed for int4_gemm_w4a16: panels [ceil(N / 16), K, 8] uint8 (byte j: column j
-    low nibble, column j + 8 high), scales and offsets (-z * s) [groups, ceil(N / 16) * 16] float32."""
+    """A 4-bit weight packed for one of the int4 kernels. W4A16: panels [ceil(N / 16), K, 8] uint8
+    (byte j: column j low nibble, column j + 8 high). W4A8: panels [ceil(N / 16), Kp / 8, 2, 32] uint8
+    (Kp = K rounded up to 32; cpu_int8.c's W4A8 section says which nibble is which). Both: scales and
+    offsets (-z * s) [groups, ceil(N / 16) * 16] float32."""
     panels: torch.Tensor
     scales: torch.Tensor
     offsets: torch.Tensor
     out_features: int
     in_features: int
     group_size: int
+    w4a8: bool = False
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.panels, self.scales, self.offsets))
 
 
-def pack_int4(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int) -> PackedInt4:
-    """q [N, K] uint8 in [0, 15], zeros and scales [N, ceil(K / group_size)] -> the packed weight."""
+def pack_int4(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int,
+              w4a8: bool = False) -> PackedInt4:
+    """q [N, K] uint8 in [0, 15], zeros and scales [N, ceil(K / group_size)] -> the packed weight,
+    for W4A8 (w4a8_supported(group_size, K)) or W4A16."""
     n, k = q.shape
     group = min(group_size, k)
     if q.dtype != torch.uint8 or tuple(scales.shape) != (n, -(-k // group)) or zeros.shape != scales.shape:
         raise ValueError("pack_int4 takes q [N, K] uint8 and zeros, scales [N, ceil(K / group_size)]")
+    if w4a8 and not w4a8_supported(group, k):
+        raise ValueError(f"W4A8 needs group_size a multiple of {W4A8_BLOCK} or >= in_features ({k}), got {group}")
     num_panels = -(-n // PANEL)
-    padded = torch.zeros(num_panels * PANEL, k, dtype=torch.uint8)
-    padded[:n] = q
-    cols = padded.view(num_panels, PANEL, k).transpose(1, 2)  # [P, K, 16]
-    panels = (cols[..., : PANEL // 2] | (cols[..., PANEL // 2:] << 4)).contiguous()  # [P, K, 8]
+    kp = -(-k // W4A8_BLOCK) * W4A8_BLOCK if w4a8 else k
+    padded = torch.zeros(num_panels * PANEL, kp, dtype=torch.uint8)
+    padded[:n, :k] = q
+    if w4a8:  # [P, h, column, step, nibble, input] -> [P, step, h, column, input] bytes
+        quads = padded.view(num_panels, 2, PANEL // 2, kp // 8, 2, 4).permute(0, 3, 1, 2, 5, 4)
+        panels = (quads[..., 0] | (quads[..., 1] << 4)).reshape(num_panels, kp // 8, 2, 32).contiguous()
+    else:
+        cols = padded.view(num_panels, PANEL, k).transpose(1, 2)  # [P, K, 16]
+        panels = (cols[..., : PANEL // 2] | (cols[..., PANEL // 2:] << 4)).contiguous()  # [P, K, 8]
     s = torch.zeros(scales.shape[1], num_panels * PANEL, dtype=torch.float32)
     o = torch.zeros_like(s)
     s[:, :n] = scales.float().T
     o[:, :n] = -(zeros.float() * scales.float()).T
-    return PackedInt4(panels, s, o, n, k, group)
+    return PackedInt4(panels, s, o, n, k, group, w4a8)
 
 
 class Int4Kernels:
-    """The W4A16 GEMM of a loaded kernel library."""
+    """The W4A16 and W4A8 GEMMs of a loaded kernel library."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         if not lib.int8_gemm_supported():
             raise ValueError("the int4 GEMM needs the CPU kernels built with AVX2 and FMA")
         self.lib = lib
 
+    def __call__(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """The kernel `w` was packed for."""
+        return (self.w4a8 if w.w4a8 else self.w4a16)(x, w, bias)
+
+    def quantize_blocks(self, x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, ...]:
+        """x [M, K] float32 -> (qx [M, Kp] int8, xs [M, Kp / 32], xg [M, groups] float32, and the outliers:
+        count [M] int32, inputs [M, E] int32, values [M, E] float32): quantize_blocks_int8_torch's qx and
+        xs, xg the zero-point term's sums of xs * qx per group."""
+        x = x.contiguous()
+        m, k = x.shape
+        kp = -(-k // W4A8_BLOCK) * W4A8_BLOCK
+        capacity = kp // W4A8_BLOCK * W4A8_MAX_OUTLIERS
+        qx = torch.empty(m, kp, dtype=torch.int8)
+        xs = torch.empty(m, kp // W4A8_BLOCK, dtype=torch.float32)
+        xg = torch.empty(m, -(-k // group_size), dtype=torch.float32)
+        count = torch.empty(m, dtype=torch.int32)
+        inputs = torch.empty(m, capacity, dtype=torch.int32)
+        values = torch.empty(m, capacity, dtype=torch.float32)
+        self.lib.quantize_blocks_int8(x.data_ptr(), m, k, kp, group_size, qx.data_ptr(), xs.data_ptr(), xg.data_ptr(),
+                                      count.data_ptr(), inputs.data_ptr(), values.data_ptr(), torch.get_num_threads())
+        return qx, xs, xg, count, inputs, values
+
+    def w4a8(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] float32, quantized per block of 32 inputs here -> [M, N] float32 (bias float32)."""
+        if not w.w4a8:
+            raise ValueError("w4a8 takes a weight packed with pack_int4(..., w4a8=True)")
+        y = torch.empty(x.shape[0], w.out_features, dtype=torch.float32)
+        with torch.profiler.record_function("nanoserve::cpu_int4_w4a8"):
+            qx, xs, xg, count, inputs, values = self.quantize_blocks(x, w.group_size)
+            self.lib.int4_gemm_w4a8(qx.data_ptr(), xs.data_ptr(), xg.data_ptr(), count.data_ptr(), inputs.data_ptr(),
+                                    values.data_ptr(), x.shape[0], w.in_features, qx.shape[1], w.panels.data_ptr(),
+                                    w.scales.data_ptr(), w.offsets.data_ptr(), w.group_size, w.out_features,
+                                    bias.data_ptr() if bias is not None else None, y.data_ptr(),
+                                    torch.get_num_threads())
+        return y
+
     def w4a16(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] float32 -> [M, N] float32 (bias float32)."""
+        if w.w4a8:
+            raise ValueError("w4a16 takes a weight packed with pack_int4(..., w4a8=False)")
         x = x.contiguous()
         y = torch.empty(x.shape[0], w.out_features, dtype=torch.float32)
         with torch.profiler.record_function("nanoserve::cpu_int4_w4a16"):
