@@ -89,6 +89,9 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                    help="llama.cpp source (a checkout, or llama-cpp-python's source package .tar.gz or dir) for "
                         "convert_hf_to_gguf.py and the build (default: the build's own source, else a package found "
                         "in the cache dir or /work/peers)")
+    o.add_argument("--llamacpp-model", default=None,
+                   help="the float checkpoint llama.cpp converts to GGUF (default: --model); for a pre-quantized "
+                        "--model (GPTQ, AWQ, ...), the float model it was quantized from")
     o.add_argument("--llamacpp-quants", default=",".join(LLAMACPP_QUANTIZATIONS),
                    type=lambda s: [q.strip() for q in s.split(",") if q.strip()],
                    help=f"GGUF types to run, comma separated, from {', '.join(LLAMACPP_QUANTIZATIONS)}; each is "

@@ -13,6 +13,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from nanoserve.kernels.trace import traced
+
 # Measured on a 2-core AVX2 CPU: from ~64 query tokens per sequence SDPA on the gathered copy wins.
 VARLEN_MAX_Q = 32
 TILE = 32  # query tokens per prefill work item: each K/V row widened once serves TILE * G query rows
@@ -70,7 +72,7 @@ def paged_attention_varlen_cpu(
     if tiles.num_tiles == 0:
         return out.to(q.dtype)
     bt = block_tables.to(torch.int32).contiguous()
-    with torch.profiler.record_function("nanoserve::cpu_paged_attention_varlen"):
+    with traced("nanoserve::cpu_paged_attention_varlen"):
         err = lib.paged_attention_f32(
             qf.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), DTYPE_CODES[k_cache.dtype],
             bt.data_ptr(), bt.shape[1], tiles.seq.data_ptr(), tiles.start.data_ptr(), tiles.length.data_ptr(),
@@ -106,7 +108,7 @@ def paged_attention_decode_cpu(
     bt = block_tables.to(torch.int32).contiguous()
     lens = context_lens.to(torch.int32).contiguous()
     max_keys = int(lens.max())  # sizes the kernel's scratch: taken from the lengths themselves
-    with torch.profiler.record_function("nanoserve::cpu_paged_attention_decode"):
+    with traced("nanoserve::cpu_paged_attention_decode"):
         err = lib.paged_decode_f32(
             qf.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), DTYPE_CODES[k_cache.dtype],
             bt.data_ptr(), bt.shape[1], lens.data_ptr(), num_seqs, max_keys, num_heads, num_kv_heads,

@@ -584,15 +584,24 @@ static inline __attribute__((always_inline)) void w4a8_tile(const int mb, const 
 }
 #endif
 
-/* y[M, N] from quantize_blocks_int8's xq, xs, xg, on, ok, ov and the W4A8 panels; scales and offsets as
-   for W4A16. group: a multiple of 32, or >= K (one group). Returns 1 without AVX2/FMA. */
-int int4_gemm_w4a8(const int8_t *xq, const float *xs, const float *xg, const int32_t *on, const int32_t *ok,
-                   const float *ov, int64_t M, int64_t K, int64_t Kp,
-                   const uint8_t *panels, const float *scales, const float *offsets, int64_t group, int64_t N,
-                   const float *bias, float *y, int num_threads) {
+/* y[M, N] = x[M, K] . ((q - z) * s)^T (+ bias), x and y float32: x quantized here by
+   quantize_blocks_int8 (one call does both: at one row the quantization is a few microseconds, its
+   buffers from Python were ten times that), then the W4A8 panels; scales and offsets as for W4A16.
+   group: a multiple of 32, or >= K (one group). Returns 1 without AVX2/FMA, 2 if the quantized
+   activations cannot be allocated. */
+int int4_gemm_w4a8(const float *x, int64_t M, int64_t K, const uint8_t *panels, const float *scales,
+                   const float *offsets, int64_t group, int64_t N, const float *bias, float *y, int num_threads) {
 #if defined(__AVX2__) && defined(__FMA__)
+    const int64_t Kp = (K + W4_BLOCK - 1) / W4_BLOCK * W4_BLOCK, B = Kp / W4_BLOCK, E = B * W4_MAX_OUTLIERS;
     const int64_t num_panels = (N + I8_PANEL - 1) / I8_PANEL, Np = num_panels * I8_PANEL;
     const int64_t G = (K + group - 1) / group, panel_bytes = Kp * (I8_PANEL / 2);
+    int8_t *xq = malloc((size_t)(M * Kp));
+    float *xs = malloc((size_t)(M * B) * sizeof(float)), *xg = malloc((size_t)(M * G) * sizeof(float));
+    float *ov = malloc((size_t)(M * E) * sizeof(float));
+    int32_t *on = malloc((size_t)M * sizeof(int32_t)), *ok = malloc((size_t)(M * E) * sizeof(int32_t));
+    int rc = 2;
+    if (xq == NULL || xs == NULL || xg == NULL || ov == NULL || on == NULL || ok == NULL) goto done;
+    quantize_blocks_int8(x, M, K, Kp, group, xq, xs, xg, on, ok, ov, num_threads);
     for (int64_t r0 = 0; r0 < M; r0 += I8_ROW_BLOCK) {
         const int64_t r1 = M - r0 < I8_ROW_BLOCK ? M : r0 + I8_ROW_BLOCK;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
@@ -610,10 +619,13 @@ int int4_gemm_w4a8(const int8_t *xq, const float *xs, const float *xg, const int
             }
         }
     }
-    return 0;
+    rc = 0;
+done:
+    free(xq), free(xs), free(xg), free(ov), free(on), free(ok);
+    return rc;
 #else
-    (void)xq; (void)xs; (void)xg; (void)on; (void)ok; (void)ov; (void)M; (void)K; (void)Kp; (void)panels; (void)scales; (void)offsets;
-    (void)group; (void)N; (void)bias; (void)y; (void)num_threads;
+    (void)x; (void)M; (void)K; (void)panels; (void)scales; (void)offsets; (void)group; (void)N; (void)bias; (void)y;
+    (void)num_threads;
     return 1;
 #endif
 }

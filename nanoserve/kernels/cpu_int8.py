@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nanoserve.kernels.trace import traced
+
 QMAX = 127  # symmetric: -128 is never produced, so |q| * |q| products and their negation are exact
 PANEL = 16  # output columns per packed panel (cpu_int8.c)
 
@@ -153,7 +155,7 @@ class Int8Kernels:
         """x [M, K] float32 -> [M, N] float32 (bias float32)."""
         x = x.contiguous()
         y = torch.empty(x.shape[0], w.out_features, dtype=torch.float32)
-        with torch.profiler.record_function("nanoserve::cpu_int8_w8a16"):
+        with traced("nanoserve::cpu_int8_w8a16"):
             self.lib.int8_gemm_w8a16(x.data_ptr(), x.shape[0], w.in_features, w.panels.data_ptr(), w.padded_in,
                                      w.scales.data_ptr(), self._group(w), w.out_features,
                                      bias.data_ptr() if bias is not None else None, y.data_ptr(),
@@ -163,7 +165,7 @@ class Int8Kernels:
     def w8a8(self, x: torch.Tensor, w: PackedInt8, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] float32, quantized per token here -> [M, N] float32 (bias float32)."""
         y = torch.empty(x.shape[0], w.out_features, dtype=torch.float32)
-        with torch.profiler.record_function("nanoserve::cpu_int8_w8a8"):
+        with traced("nanoserve::cpu_int8_w8a8"):
             xq, xs = self.quantize_rows(x, w.padded_in)
             self.lib.int8_gemm_w8a8(xq.data_ptr(), xs.data_ptr(), x.shape[0], w.in_features, w.panels.data_ptr(),
                                     w.padded_in, w.scales.data_ptr(), self._group(w), w.out_features,
@@ -328,17 +330,18 @@ class Int4Kernels:
         return qx, xs, xg, count, inputs, values
 
     def w4a8(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [M, K] float32, quantized per block of 32 inputs here -> [M, N] float32 (bias float32)."""
+        """x [M, K] float32, quantized per block of 32 inputs in the kernel -> [M, N] float32 (bias float32)."""
         if not w.w4a8:
             raise ValueError("w4a8 takes a weight packed with pack_int4(..., w4a8=True)")
+        x = x.contiguous()
         y = torch.empty(x.shape[0], w.out_features, dtype=torch.float32)
-        with torch.profiler.record_function("nanoserve::cpu_int4_w4a8"):
-            qx, xs, xg, count, inputs, values = self.quantize_blocks(x, w.group_size)
-            self.lib.int4_gemm_w4a8(qx.data_ptr(), xs.data_ptr(), xg.data_ptr(), count.data_ptr(), inputs.data_ptr(),
-                                    values.data_ptr(), x.shape[0], w.in_features, qx.shape[1], w.panels.data_ptr(),
-                                    w.scales.data_ptr(), w.offsets.data_ptr(), w.group_size, w.out_features,
-                                    bias.data_ptr() if bias is not None else None, y.data_ptr(),
-                                    torch.get_num_threads())
+        with traced("nanoserve::cpu_int4_w4a8"):
+            rc = self.lib.int4_gemm_w4a8(x.data_ptr(), x.shape[0], w.in_features, w.panels.data_ptr(),
+                                         w.scales.data_ptr(), w.offsets.data_ptr(), w.group_size, w.out_features,
+                                         bias.data_ptr() if bias is not None else None, y.data_ptr(),
+                                         torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError(f"int4_gemm_w4a8 failed ({rc}): no memory for the quantized activations")
         return y
 
     def w4a16(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -347,7 +350,7 @@ class Int4Kernels:
             raise ValueError("w4a16 takes a weight packed with pack_int4(..., w4a8=False)")
         x = x.contiguous()
         y = torch.empty(x.shape[0], w.out_features, dtype=torch.float32)
-        with torch.profiler.record_function("nanoserve::cpu_int4_w4a16"):
+        with traced("nanoserve::cpu_int4_w4a16"):
             rc = self.lib.int4_gemm_w4a16(x.data_ptr(), x.shape[0], w.in_features, w.panels.data_ptr(),
                                           w.scales.data_ptr(), w.offsets.data_ptr(), w.group_size, w.out_features,
                                           bias.data_ptr() if bias is not None else None, y.data_ptr(),

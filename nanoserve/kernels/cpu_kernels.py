@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from nanoserve.cache import cache_root
+from nanoserve.kernels.trace import traced
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ SIGNATURES = {
     "int8_gemm_w8a8": [_P, _P, _I64, _I64, _P, _I64, _P, _I64, _I64, _P, _P, _I32],
     "int4_gemm_w4a16": [_P, _I64, _I64, _P, _P, _P, _I64, _I64, _P, _P, _I32],
     "quantize_blocks_int8": [_P, _I64, _I64, _I64, _I64] + [_P] * 6 + [_I32],
-    "int4_gemm_w4a8": [_P] * 6 + [_I64, _I64, _I64, _P, _P, _P, _I64, _I64, _P, _P, _I32],
+    "int4_gemm_w4a8": [_P, _I64, _I64, _P, _P, _P, _I64, _I64, _P, _P, _I32],
     "peak_loop_fma_f32": [_I64, _I32],
     "peak_loop_madd_i16": [_I64, _I32],
     "peak_loop_maddubs_u8s8": [_I64, _I32],
@@ -145,7 +146,7 @@ class CPUKernels:
         if residual is not None:
             residual = residual.contiguous()
             new_residual = torch.empty_like(x)
-        with torch.profiler.record_function("nanoserve::cpu_rms_norm"):
+        with traced("nanoserve::cpu_rms_norm"):
             self.lib.rms_norm_bf16(
                 x.data_ptr(), residual.data_ptr() if residual is not None else None,
                 new_residual.data_ptr() if new_residual is not None else None, weight.contiguous().data_ptr(),
@@ -174,7 +175,7 @@ class CPUKernels:
         q_out = torch.empty(tokens, hq, head_dim, dtype=q.dtype)
         k_out = torch.empty(tokens, hk, head_dim, dtype=k.dtype)
         positions = positions.to(torch.int64).contiguous()
-        with torch.profiler.record_function("nanoserve::cpu_qk_norm_rope"):
+        with traced("nanoserve::cpu_qk_norm_rope"):
             self.lib.qk_norm_rope_bf16(
                 q.data_ptr(), k.data_ptr(), q.stride(0), q_out.data_ptr(), k_out.data_ptr(),
                 q_weight.contiguous().data_ptr(), k_weight.contiguous().data_ptr(), positions.data_ptr(),
@@ -200,7 +201,7 @@ class CPUKernels:
         x = x.contiguous()
         rows = x.shape[0]
         y = torch.empty(rows, n, dtype=torch.float32)
-        with torch.profiler.record_function("nanoserve::cpu_panel_gemm"):
+        with traced("nanoserve::cpu_panel_gemm"):
             err = self.lib.panel_gemm_bf16(x.data_ptr(), rows, x.shape[1], panels.data_ptr(), n,
                                            bias.data_ptr() if bias is not None else None, y.data_ptr(),
                                            torch.get_num_threads())

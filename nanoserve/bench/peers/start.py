@@ -87,6 +87,8 @@ def _make(kind: str, args: argparse.Namespace, settings: PeerSettings, requests:
     if kind == "llamacpp":
         from nanoserve.bench.peers.llamacpp import llamacpp_peers
 
+        if args.llamacpp_model:  # a pre-quantized --model: llama.cpp converts its float source instead
+            settings = dataclasses.replace(settings, model=args.llamacpp_model)
         return llamacpp_peers(settings, requests, args.llamacpp_quants, args.llamacpp_dir, args.llamacpp_source, roof)
     return [make_vllm_peer(args, settings, requests, roof)]
 
