@@ -522,43 +522,50 @@ static inline __attribute__((always_inline)) void w4a8_tile(const int mb, const 
     const int64_t B = Kp / W4_BLOCK;
     const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi32(0x0F);
     const int64_t E = B * W4_MAX_OUTLIERS;
-    __m256 t00 = _mm256_setzero_ps(), t01 = t00, t10 = t00, t11 = t00, t20 = t00, t21 = t00, t30 = t00, t31 = t00;
-    for (int64_t b = 0; b < B; b++) {
+    /* float32 sums in memory, touched once per block: in registers they pushed the int16 ones out */
+    float tile[6][I8_PANEL] = {{0}};
+    /* blocks per group: a division per block (idiv, ~40 cycles on Zen 1) cost as much as its math */
+    const int64_t per_group = G == 1 ? B : group / W4_BLOCK;
+    for (int64_t b = 0, g = 0, left = per_group; b < B; b++) {
         __m256i a00 = _mm256_setzero_si256(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00,
                 a31 = a00;
         const uint8_t *w = panel + b * W4_BLOCK * (I8_PANEL / 2);
         const int8_t *xb = xq + m0 * Kp + b * W4_BLOCK;
         for (int s = 0; s < W4_BLOCK / 8; s++, w += 64, xb += 8) {
-            const __m256i va = _mm256_loadu_si256((const __m256i *)w), vb = _mm256_loadu_si256((const __m256i *)(w + 32));
-            const __m256i wa0 = _mm256_and_si256(va, nibble), wa1 = _mm256_and_si256(_mm256_srli_epi16(va, 4), nibble);
-            const __m256i wb0 = _mm256_and_si256(vb, nibble), wb1 = _mm256_and_si256(_mm256_srli_epi16(vb, 4), nibble);
-#define W4_ROW(r, lo, hi)                                                                                   \
+            /* low nibbles (inputs 0-3 of the step) for every row, then high ones (4-7): few live registers */
+            __m256i wa = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)w), nibble);
+            __m256i wb = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(w + 32)), nibble);
+#define W4_ROW(r, lo, hi, at)                                                                               \
     if (mb > r) {                                                                                         \
-        int32_t q0, q1; /* 4 inputs each, broadcast to the 8 columns */                                   \
-        memcpy(&q0, xb + r * Kp, 4), memcpy(&q1, xb + r * Kp + 4, 4);                                     \
-        const __m256i x0 = _mm256_set1_epi32(q0), x1 = _mm256_set1_epi32(q1);                            \
-        lo = _mm256_add_epi16(lo, _mm256_add_epi16(_mm256_maddubs_epi16(wa0, x0), _mm256_maddubs_epi16(wa1, x1))); \
-        hi = _mm256_add_epi16(hi, _mm256_add_epi16(_mm256_maddubs_epi16(wb0, x0), _mm256_maddubs_epi16(wb1, x1))); \
+        int32_t q4; /* 4 inputs, broadcast to the 8 columns */                                            \
+        memcpy(&q4, xb + r * Kp + at, 4);                                                                 \
+        const __m256i x4 = _mm256_set1_epi32(q4);                                                         \
+        lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(wa, x4));                                          \
+        hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(wb, x4));                                          \
+        __asm__("" : "+x"(lo), "+x"(hi)); /* GCC regrouped the adds into trees of spilled products */    \
     }
-            W4_ROW(0, a00, a01) W4_ROW(1, a10, a11) W4_ROW(2, a20, a21) W4_ROW(3, a30, a31)
+            W4_ROW(0, a00, a01, 0) W4_ROW(1, a10, a11, 0) W4_ROW(2, a20, a21, 0) W4_ROW(3, a30, a31, 0)
+            wa = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)w), 4), nibble);
+            wb = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(w + 32)), 4), nibble);
+            W4_ROW(0, a00, a01, 4) W4_ROW(1, a10, a11, 4) W4_ROW(2, a20, a21, 4) W4_ROW(3, a30, a31, 4)
 #undef W4_ROW
         }
-        const int64_t g = b * W4_BLOCK / group;
+        if (left == 0) g++, left = per_group;
+        left--;
         const __m256 s0 = _mm256_loadu_ps(scales + g * Np + n0), s1 = _mm256_loadu_ps(scales + g * Np + n0 + 8);
-#define W4_FLUSH(r, lo, hi, tlo, thi)                                                                       \
+#define W4_FLUSH(r, lo, hi)                                                                                 \
     if (mb > r) {                                                                                         \
         const __m256 xsb = _mm256_set1_ps(xs[(m0 + r) * B + b]);                                          \
-        tlo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(lo, ones)), _mm256_mul_ps(s0, xsb), tlo); \
-        thi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(hi, ones)), _mm256_mul_ps(s1, xsb), thi); \
+        _mm256_storeu_ps(tile[r], _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(lo, ones)),        \
+                                                  _mm256_mul_ps(s0, xsb), _mm256_loadu_ps(tile[r])));     \
+        _mm256_storeu_ps(tile[r] + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(hi, ones)),    \
+                                                      _mm256_mul_ps(s1, xsb), _mm256_loadu_ps(tile[r] + 8))); \
     }
-        W4_FLUSH(0, a00, a01, t00, t01) W4_FLUSH(1, a10, a11, t10, t11)
-        W4_FLUSH(2, a20, a21, t20, t21) W4_FLUSH(3, a30, a31, t30, t31)
+        W4_FLUSH(0, a00, a01) W4_FLUSH(1, a10, a11) W4_FLUSH(2, a20, a21) W4_FLUSH(3, a30, a31)
 #undef W4_FLUSH
     }
-    float tile[6][I8_PANEL];
-    const __m256 acc[W4_ROWS][2] = {{t00, t01}, {t10, t11}, {t20, t21}, {t30, t31}};
     for (int r = 0; r < mb; r++) {
-        __m256 lo = acc[r][0], hi = acc[r][1];
+        __m256 lo = _mm256_loadu_ps(tile[r]), hi = _mm256_loadu_ps(tile[r] + 8);
         const int64_t m = m0 + r;
         for (int32_t i = 0; i < on[m]; i++) {  /* outliers: x * (q - z) * s in float32, q read from the panel */
             const int64_t k = ok[m * E + i], kk = k % 8, g = k / group;
