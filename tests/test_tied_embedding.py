@@ -221,3 +221,15 @@ def test_a_gptq_checkpoint_shares_its_float_embedding(tied_bf16, untied_twin, pa
     _, refs = _generate(untied, prompts)
     for out, ref in zip(outs, refs, strict=True):
         assert out.outputs[0].logprobs == ref.outputs[0].logprobs
+
+
+def test_tensor_parallel_ranks_share_their_shards(tied_bf16, untied_twin, panel):
+    """TP=2: each rank's embedding shard is its LM-head shard (vocab 1000: 500 rows each)."""
+    prompts = random_prompts(2, 4, 12, seed=10)
+    outputs = []
+    for path in (tied_bf16, untied_twin):
+        with make_llm(path, dtype="bfloat16", tensor_parallel_size=2, num_kvcache_blocks=64) as llm:
+            assert llm.engine.model_runner.backend.describe()["gemm"] == "panel"
+            outputs.append(llm.generate(prompts, GREEDY, use_tqdm=False))
+    for out, ref in zip(*outputs, strict=True):
+        assert out.outputs[0].logprobs == ref.outputs[0].logprobs
