@@ -23,6 +23,8 @@ from nanoserve.kernels.store_kv import store_kv_torch
 from nanoserve.quantization.weight import QuantizedWeight
 
 LinearFn = Callable[[torch.Tensor], torch.Tensor]
+# ids [*] int64 -> [*ids.shape, in_features]: rows of the weight a GEMM was prepared from
+RowsFn = Callable[[torch.Tensor], torch.Tensor]
 # (x [num_tokens, hidden], topk_weights [num_tokens, top_k], topk_ids [num_tokens, top_k]) -> [num_tokens, hidden]
 MoEFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -61,6 +63,12 @@ class Backend:
         """The LM head: hidden states -> float32 logits (what the sampler works in)."""
         gemm = self.prepare_linear(weight, None)
         return lambda x: gemm(x).float()
+
+    def logits_rows(self, logits: LinearFn) -> RowsFn | None:
+        """Rows of the weight `logits` (from prepare_logits) was prepared from, read back from the
+        GEMM's own copy bit for bit, where it can; None otherwise. A tied embedding then looks its
+        tokens up there instead of keeping a second copy of the vocabulary matrix."""
+        return None
 
     def prepare_moe(self, w13: torch.Tensor, w2: torch.Tensor) -> MoEFn:
         """Called once per MoE layer after loading: the experts as grouped GEMMs, each expert's

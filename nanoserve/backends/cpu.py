@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoserve.backends.base import Backend, LinearFn
+from nanoserve.backends.base import Backend, LinearFn, RowsFn
 from nanoserve.backends.metadata import AttentionMetadata
 from nanoserve.kernels import cpu_attention, cpu_kernels
 from nanoserve.kernels.cpu_gemm import BucketedLinear, Int4Gemm, Int8Gemm, OneDNNGemm, PanelGemm
@@ -190,6 +190,11 @@ class CPUBackend(Backend):
 
     def prepare_logits(self, weight: torch.Tensor) -> LinearFn:
         return self._gemm(weight, None, torch.float32)
+
+    def logits_rows(self, logits: LinearFn) -> RowsFn | None:
+        # The panels hold the bf16 bits as loaded, in a layout rows are read from by indexing; the
+        # int8 head is not exact, and oneDNN's blocked layout is its own.
+        return logits.rows if isinstance(logits, PanelGemm) else None
 
     def prepare_quantized_linear(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> LinearFn:
         """A checkpoint's integers as they are (exact: no requantization): 4-bit ones through the int4

@@ -3,7 +3,8 @@
   PanelGemm    bf16 weights packed in 16-column panels for the C kernel of cpu_kernels.c, which
                widens them to float32 in registers: float32 math at near the FMA peak for any row
                count, with half the weight bytes of a float32 copy (the path of CPUs without bf16
-               dot products, AVX2).
+               dot products, AVX2). The panels hold the weight's bits as loaded, so its rows read
+               back exactly (`rows`): a tied embedding looks its tokens up there.
   OneDNNGemm   the weight reordered once into oneDNN's blocked layout, in bf16 (CPUs with bf16 dot
                products: AVX512-BF16, AMX) or as a float32 copy (float32 models; F.linear's MKL call
                would repack it on every call).
@@ -31,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.kernels.cpu_int8 import Int4Kernels, Int8Kernels, pack_int4, quantize_weight_int8, split_int4
-from nanoserve.kernels.cpu_kernels import CPUKernels
+from nanoserve.kernels.cpu_kernels import PANEL, CPUKernels, panel_slot
 from nanoserve.quantization.weight import QuantizedWeight
 
 SMALL_BUCKETS = 64  # up to here, row counts round up to a power of two; past it, to a multiple of 64
@@ -67,6 +68,13 @@ class PanelGemm:
         x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)  # [rows, in]: exact for bf16 activations
         y = self.kernels.panel_gemm(x2, self.panels, self.out_features, self.bias)
         return y.view(*x.shape[:-1], y.shape[-1]).to(self.out_dtype or x.dtype)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (each in [0, out_features)) of the packed weight, [*ids.shape, in] bf16, bit for
+        bit: a tied embedding looks its tokens up here instead of keeping its own copy."""
+        column = ids % PANEL
+        # Two index tensors around a slice: their broadcast shape comes first, then K.
+        return self.panels[ids // PANEL, :, panel_slot(column)]
 
 
 class OneDNNGemm:

@@ -59,6 +59,13 @@ RETURNS_INT = ("paged_attention_f32", "paged_decode_f32", "panel_gemm_bf16", "pa
 RETURNS_DOUBLE = ("peak_loop_fma_f32", "peak_loop_madd_i16", "peak_loop_maddubs_u8s8")
 PANEL = 16  # output columns per packed weight panel (cpu_kernels.c)
 
+
+def panel_slot(column: torch.Tensor) -> torch.Tensor:
+    """Where column j (0-15) of a panel sits in its 16-weight row, as panel_slot in cpu_kernels.c:
+    columns 0-7 in the even slots, 8-15 in the odd ones."""
+    half = PANEL // 2
+    return torch.where(column < half, 2 * column, 2 * (column - half) + 1)
+
 _lib: ctypes.CDLL | None = None
 _load_attempted = False
 _lock = threading.Lock()

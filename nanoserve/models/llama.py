@@ -195,7 +195,7 @@ class LlamaForCausalLM(nn.Module):
             return
         self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"], ctx)
         if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.tie(self.model.embed_tokens)
 
     @classmethod
     def attention_biases(cls, cfg: dict) -> tuple[bool, bool]:
