@@ -28,9 +28,8 @@ def varlen_cpu(b: dict) -> torch.Tensor:
 
 
 def decode_cpu(b: dict) -> torch.Tensor:
-    return ca.paged_attention_decode_cpu(
-        LIB, b["q"], b["k_cache"], b["v_cache"], b["block_tables"], b["context_lens"], b["scale"]
-    )
+    plan = ca.decode_plan(b["block_tables"], b["context_lens"])
+    return ca.paged_attention_decode_cpu(LIB, b["q"], b["k_cache"], b["v_cache"], plan, b["scale"])
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Max abs error against float64 attention over the same (rounded) inputs; bf16/fp16 round the output.
@@ -179,3 +178,29 @@ def test_qk_norm_rope_kernel_matches_modules(tokens):
 def test_small_kernels_decline_what_they_do_not_cover():
     x = torch.randn(4, 64)  # float32: the PyTorch module runs
     assert KERNELS.rms_norm(x, torch.ones(64), 1e-6) is None
+
+
+# ---- store_kv -------------------------------------------------------------------------------------
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("num_tokens, heads, head_dim, block_size", [(9, 1, 16, 4), (40, 8, 128, 16), (12, 4, 80, 1)])
+def test_store_kv_c_equals_torch_and_writes_nothing_else(dtype, num_tokens, heads, head_dim, block_size):
+    """The C copy writes exactly store_kv_torch's slots (-1 skipped), from K/V rows strided like slices of qkv."""
+    from nanoserve.kernels.store_kv import store_kv_torch
+
+    g = torch.Generator().manual_seed(num_tokens + head_dim)
+    num_slots = (num_tokens // block_size + 3) * block_size
+    slots = torch.randperm(num_slots - 1, generator=g)[:num_tokens]
+    slots[torch.rand(num_tokens, generator=g) < 0.3] = -1
+    qkv = torch.randn(num_tokens, 3 * heads * head_dim, generator=g).to(DTYPES[dtype])
+    key, value = (qkv[:, i * heads * head_dim:(i + 1) * heads * head_dim].view(num_tokens, heads, head_dim)
+                  for i in (1, 2))
+    init = torch.full((num_slots // block_size, block_size, heads, head_dim), 7.0, dtype=DTYPES[dtype])
+    k_ref, v_ref, k_c, v_c = init.clone(), init.clone(), init.clone(), init.clone()
+    store_kv_torch(key, value, k_ref, v_ref, slots)
+    assert KERNELS.store_kv(key, value, k_c, v_c, slots)
+    assert torch.equal(k_c, k_ref) and torch.equal(v_c, v_ref)
+    # a cache in another dtype than the rows: declined, nothing written
+    other = init.to(torch.float16)
+    assert not KERNELS.store_kv(key, value, other, other.clone(), slots) and bool((other == 7.0).all())

@@ -239,14 +239,22 @@ class CPUBackend(Backend):
     # ---- attention ----------------------------------------------------------------------------
 
     def prepare_metadata(self, meta: AttentionMetadata) -> AttentionMetadata:
-        if self.attention_lib is None or meta.num_prefills == 0:
+        if self.attention_lib is None:
             return meta
         # Past VARLEN_MAX_Q query tokens SDPA is faster, but which one a prompt meets would then
         # depend on the longest prefill sharing its step: batch_invariant keeps the C kernel.
-        if meta.prefill_max_seqlen_q > cpu_attention.VARLEN_MAX_Q and not self.options.batch_invariant:
-            return meta
-        tiles = cpu_attention.varlen_tiles(meta.prefill_cu_seqlens_q, meta.prefill_context_lens)
-        return CPUAttentionMetadata(**vars(meta), prefill_tiles=tiles)
+        tiles = None
+        if meta.num_prefills and (meta.prefill_max_seqlen_q <= cpu_attention.VARLEN_MAX_Q
+                                  or self.options.batch_invariant):
+            tiles = cpu_attention.varlen_tiles(meta.prefill_cu_seqlens_q, meta.prefill_context_lens)
+        plan = None
+        if meta.num_decode_tokens:
+            plan = cpu_attention.decode_plan(meta.decode_block_tables, meta.decode_context_lens)
+        return CPUAttentionMetadata(**vars(meta), prefill_tiles=tiles, decode_plan=plan)
+
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        if self.kernels is None or not self.kernels.store_kv(k, v, k_cache, v_cache, slot_mapping):
+            super().store_kv(k, v, k_cache, v_cache, slot_mapping)
 
     def decode(self, q, k_cache, v_cache, meta, scale):
         if self.attention_lib is None:
@@ -254,9 +262,9 @@ class CPUBackend(Backend):
                 q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
                 meta.decode_max_context_len, scale, self.attention_dtype,
             )
-        return cpu_attention.paged_attention_decode_cpu(
-            self.attention_lib, q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
-        )
+        plan = getattr(meta, "decode_plan", None) or cpu_attention.decode_plan(
+            meta.decode_block_tables, meta.decode_context_lens)
+        return cpu_attention.paged_attention_decode_cpu(self.attention_lib, q, k_cache, v_cache, plan, scale)
 
     def prefill(self, q, k, v, k_cache, v_cache, meta, scale):
         if self.attention_lib is None:
@@ -278,3 +286,4 @@ class CPUBackend(Backend):
 @dataclass
 class CPUAttentionMetadata(AttentionMetadata):
     prefill_tiles: cpu_attention.VarlenTiles | None = None  # the varlen C kernel's work items for this step
+    decode_plan: cpu_attention.DecodePlan | None = None  # the decode kernel's tables, once per step not per layer

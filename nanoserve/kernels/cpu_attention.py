@@ -84,13 +84,25 @@ def paged_attention_varlen_cpu(
     return out.to(q.dtype)
 
 
+class DecodePlan(NamedTuple):
+    """The decode kernel's per-step inputs, the same for every layer."""
+
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, contiguous
+    context_lens: torch.Tensor  # [num_seqs] int32
+    max_keys: int  # sizes the kernel's scratch: taken from the lengths themselves
+
+
+def decode_plan(block_tables: torch.Tensor, context_lens: torch.Tensor) -> DecodePlan:
+    lens = context_lens.to(torch.int32).contiguous()
+    return DecodePlan(block_tables.to(torch.int32).contiguous(), lens, int(lens.max()) if lens.numel() else 0)
+
+
 def paged_attention_decode_cpu(
     lib: ctypes.CDLL,
     q: torch.Tensor,  # [num_seqs, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
-    context_lens: torch.Tensor,  # [num_seqs]
+    plan: DecodePlan,
     scale: float,
 ) -> torch.Tensor:
     num_seqs, num_heads, head_dim = q.shape
@@ -105,14 +117,12 @@ def paged_attention_decode_cpu(
     kv_per_item = num_kv_heads
     while kv_per_item > 1 and num_seqs * (num_kv_heads // kv_per_item) < 2 * threads:
         kv_per_item = next(d for d in range(kv_per_item - 1, 0, -1) if num_kv_heads % d == 0)
-    bt = block_tables.to(torch.int32).contiguous()
-    lens = context_lens.to(torch.int32).contiguous()
-    max_keys = int(lens.max())  # sizes the kernel's scratch: taken from the lengths themselves
+    bt = plan.block_tables
     with traced("nanoserve::cpu_paged_attention_decode"):
         err = lib.paged_decode_f32(
             qf.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), DTYPE_CODES[k_cache.dtype],
-            bt.data_ptr(), bt.shape[1], lens.data_ptr(), num_seqs, max_keys, num_heads, num_kv_heads,
-            head_dim, block_size, kv_per_item, scale, threads,
+            bt.data_ptr(), bt.shape[1], plan.context_lens.data_ptr(), num_seqs, plan.max_keys, num_heads,
+            num_kv_heads, head_dim, block_size, kv_per_item, scale, threads,
         )
     if err:
         raise MemoryError("the CPU attention kernel could not allocate its scratch buffers")

@@ -38,6 +38,7 @@ SIGNATURES = {
     "rms_norm_bf16": [_P] * 5 + [_I64, _I64, _F, _I32],
     "qk_norm_rope_bf16": [_P, _P, _I64] + [_P] * 6 + [_I64] * 4 + [_F, _I32],
     "pack_bf16_panels": [_P, _I64, _I64, _P, _I32],
+    "store_kv_rows": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64],
     "panel_gemm_bf16": [_P, _I64, _I64, _P, _I64, _P, _P, _I32],
     "panel_gemm_supported": [],
     # cpu_int8.c (bound in cpu_int8.py)
@@ -189,6 +190,21 @@ class CPUKernels:
                 cos_sin.contiguous().data_ptr(), tokens, hq, hk, head_dim, eps, torch.get_num_threads(),
             )
         return q_out, k_out
+
+    def store_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slots: torch.Tensor) -> bool:
+        """store_kv_torch's semantics (key/value [T, H, D], caches [blocks, block_size, H, D], slots [T],
+        -1 = skip) in one C call; False (nothing written) where the layouts or dtypes do not allow it."""
+        if key.dtype != k_cache.dtype or value.dtype != v_cache.dtype or key.device.type != "cpu":
+            return False
+        heads, dim = key.shape[1:]
+        rows_contiguous = all(t.stride(2) == 1 and t.stride(1) == dim for t in (key, value))
+        if not (rows_contiguous and k_cache.is_contiguous() and v_cache.is_contiguous()) or slots.dtype != torch.int64:
+            return False
+        self.lib.store_kv_rows(key.data_ptr(), key.stride(0) * key.element_size(), value.data_ptr(),
+                               value.stride(0) * value.element_size(), k_cache.data_ptr(), v_cache.data_ptr(),
+                               slots.data_ptr(), key.shape[0], heads * dim * key.element_size())
+        return True
 
     def pack_panels(self, weight: torch.Tensor) -> torch.Tensor | None:
         """A bf16 weight [N, K] packed for `panel_gemm` ([ceil(N / 16), K, 16]); None where the
