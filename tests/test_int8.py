@@ -175,10 +175,11 @@ def test_bench_reports_instruction_peaks_and_int8_paths(tiny_model):
                    "--dtype", "bfloat16", "--quantization", "int8"])
     assert report["engine"]["gemm"].startswith("int8") and report["nanoserve"][0]["counts_ok"]
     roof = report["roofline"]
-    assert set(roof["instruction_peaks"]) == {"peak_loop_fma_f32", "peak_loop_madd_i16", "peak_loop_maddubs_u8s8"}
+    assert set(roof["instruction_peaks"]) == {"peak_loop_fma_f32", "peak_loop_madd_i16", "peak_loop_maddubs_u8s8",
+                                              "peak_loop_maddubs_i16"}
     assert all(v > 0 for v in roof["instruction_peaks"].values())
     for per_path in roof["gemm_efficiency"].values():
-        assert {"int8 W8A16 (C)", "int8 W8A8 (C)", "panel bf16-weight (C)"} <= set(per_path)
+        assert {"int8 W8A16 (C)", "int8 W8A8 (C)", "int4 W4A8 (C)", "panel bf16-weight (C)"} <= set(per_path)
         assert all(v["of_peak"] > 0 for v in per_path.values())
 
 

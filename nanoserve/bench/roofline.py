@@ -65,6 +65,30 @@ def _int8_gemms() -> dict[str, GemmPath]:
             INT8_W8A8: lambda w: Int8Gemm(w, None, kernels, 1)}
 
 
+def _int4_gemm() -> dict[str, GemmPath]:
+    """nanoserve's W4A8 GEMM (an int4 checkpoint's default path) on the weight rounded to 4 bits in
+    groups of 128 here, where its library builds."""
+    from nanoserve.kernels import cpu_kernels
+    from nanoserve.kernels.cpu_gemm import Int4Gemm
+    from nanoserve.kernels.cpu_int8 import Int4Kernels
+    from nanoserve.quantization.weight import QuantizedWeight
+
+    lib = cpu_kernels.load()
+    if lib is None or not lib.int8_gemm_supported():
+        return {}
+    kernels = Int4Kernels(lib)
+
+    def prepare(w: torch.Tensor):
+        n, k = w.shape
+        group = 128 if k % 128 == 0 else k
+        groups = w.float().view(n, k // group, group)
+        scales = (groups.abs().amax(-1) / 7).clamp(min=1e-8)
+        q = torch.round(groups / scales[..., None]).clamp(-8, 7).to(torch.int8).view(n, k)
+        return Int4Gemm(QuantizedWeight(q, scales, group), None, kernels, w4a8=True)
+
+    return {INT4_W4A8: prepare}
+
+
 def _onednn_packed(dtype: torch.dtype) -> GemmPath:
     def prepare(w: torch.Tensor):
         packed = torch.ops.mkldnn._reorder_linear_weight(w.to(dtype).contiguous(), None)
@@ -75,14 +99,17 @@ def _onednn_packed(dtype: torch.dtype) -> GemmPath:
 PANEL = "panel bf16-weight (C)"
 INT8_W8A16 = "int8 W8A16 (C)"
 INT8_W8A8 = "int8 W8A8 (C)"
+INT4_W4A8 = "int4 W4A8 (C)"
 # instruction loop (cpu_int8.c) -> what it is
 INSTRUCTIONS = {
     "peak_loop_fma_f32": "float32 FMA (vfmadd231ps)",
     "peak_loop_madd_i16": "int16 pairs (vpmaddwd + vpaddd)",
     "peak_loop_maddubs_u8s8": "u8 x s8 (vpmaddubsw + vpmaddwd)",
+    "peak_loop_maddubs_i16": "u8 x s8, int16 sums (vpmaddubsw + vpaddw)",
 }
 # the C GEMM paths and the instruction each is bound by
-PATH_INSTRUCTION = {PANEL: "peak_loop_fma_f32", INT8_W8A16: "peak_loop_fma_f32", INT8_W8A8: "peak_loop_madd_i16"}
+PATH_INSTRUCTION = {PANEL: "peak_loop_fma_f32", INT8_W8A16: "peak_loop_fma_f32", INT8_W8A8: "peak_loop_madd_i16",
+                    INT4_W4A8: "peak_loop_maddubs_i16"}
 
 
 def measure_instruction_peaks(threads: int | None = None, repeats: int = 30) -> dict[str, float]:
@@ -208,7 +235,8 @@ def gemm_efficiency(shape: ModelShape, dtype: torch.dtype, device: torch.device,
     weights = [torch.randn(n, k).to(dtype) for k, n in shape.linear_shapes()]
     out = {}
     for rows in rows_list:
-        paths = {k: v for k, v in gemm_paths(dtype, device, rows, int8=True).items() if k in PATH_INSTRUCTION}
+        paths = {**gemm_paths(dtype, device, rows, int8=True), **_int4_gemm()}
+        paths = {k: v for k, v in paths.items() if k in PATH_INSTRUCTION}
         flops = sum(2 * rows * k * n for k, n in shape.linear_shapes())
         per_path = _best_of_paths(paths, weights, rows, flops, device)
         out[rows] = {name: {"flops": f, "of_peak": f / peaks[PATH_INSTRUCTION[name]]} for name, f in per_path.items()}

@@ -702,6 +702,26 @@ double peak_loop_madd_i16(int64_t iters, int num_threads) {
 #endif
 }
 
+/* vpmaddubsw + vpaddw ymm (u8 x s8 pair sums added in int16: the W4A8 kernel's inner pair, which
+   widens with one vpmaddwd per eight of these): 32 multiply-adds */
+double peak_loop_maddubs_i16(int64_t iters, int num_threads) {
+#if defined(__AVX2__) && defined(__FMA__)
+#pragma omp parallel num_threads(num_threads)
+    {
+        const __m256i w = _mm256_set1_epi8(3);
+        INT_CHAINS_INIT();
+#define STEP(c) c = _mm256_add_epi16(_mm256_maddubs_epi16(w, c), w)
+        for (int64_t i = 0; i < iters; i++) CHAINS(STEP);
+#undef STEP
+        SINK_ALL();
+    }
+    return (double)iters * 12 * 32 * num_threads;
+#else
+    (void)iters; (void)num_threads;
+    return 0.0;
+#endif
+}
+
 /* vpmaddubsw + vpmaddwd(ones) + vpaddd ymm (u8 x s8, llama.cpp's AVX2 dot product): 32 multiply-adds */
 double peak_loop_maddubs_u8s8(int64_t iters, int num_threads) {
 #if defined(__AVX2__) && defined(__FMA__)

@@ -53,11 +53,12 @@ SIGNATURES = {
     "peak_loop_fma_f32": [_I64, _I32],
     "peak_loop_madd_i16": [_I64, _I32],
     "peak_loop_maddubs_u8s8": [_I64, _I32],
+    "peak_loop_maddubs_i16": [_I64, _I32],
 }
 RETURNS_INT = ("paged_attention_f32", "paged_decode_f32", "panel_gemm_bf16", "panel_gemm_supported",
                "int8_gemm_supported", "int8_gemm_w8a16", "int8_gemm_w8a8", "int4_gemm_w4a16",
                "int4_gemm_w4a8")
-RETURNS_DOUBLE = ("peak_loop_fma_f32", "peak_loop_madd_i16", "peak_loop_maddubs_u8s8")
+RETURNS_DOUBLE = ("peak_loop_fma_f32", "peak_loop_madd_i16", "peak_loop_maddubs_u8s8", "peak_loop_maddubs_i16")
 PANEL = 16  # output columns per packed weight panel (cpu_kernels.c)
 
 
