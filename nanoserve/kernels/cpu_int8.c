@@ -683,60 +683,37 @@ double peak_loop_fma_f32(int64_t iters, int num_threads) {
     SINK_ALL()
 #endif
 
-/* vpmaddwd + vpaddd ymm (the W8A8 kernel's pair): 16 multiply-adds */
-double peak_loop_madd_i16(int64_t iters, int num_threads) {
+/* One integer loop: SETUP declares what STEP uses; MACS multiply-adds per STEP of one chain. */
 #if defined(__AVX2__) && defined(__FMA__)
-#pragma omp parallel num_threads(num_threads)
-    {
-        const __m256i w = _mm256_set1_epi16(3);
-        INT_CHAINS_INIT();
-#define STEP(c) c = _mm256_add_epi32(_mm256_madd_epi16(c, w), w)
-        for (int64_t i = 0; i < iters; i++) CHAINS(STEP);
-#undef STEP
-        SINK_ALL();
+#define INT_PEAK_LOOP(NAME, SETUP, STEP, MACS)                                                              \
+    double NAME(int64_t iters, int num_threads) {                                                           \
+        _Pragma("omp parallel num_threads(num_threads)")                                                    \
+        {                                                                                                   \
+            SETUP;                                                                                          \
+            INT_CHAINS_INIT();                                                                              \
+            for (int64_t i = 0; i < iters; i++) CHAINS(STEP);                                               \
+            SINK_ALL();                                                                                     \
+        }                                                                                                   \
+        return (double)iters * 12 * (MACS) * num_threads;                                                   \
     }
-    return (double)iters * 12 * 16 * num_threads;
 #else
-    (void)iters; (void)num_threads;
-    return 0.0;
+#define INT_PEAK_LOOP(NAME, SETUP, STEP, MACS)                                                              \
+    double NAME(int64_t iters, int num_threads) {                                                           \
+        (void)iters; (void)num_threads;                                                                     \
+        return 0.0;                                                                                         \
+    }
 #endif
-}
+
+/* vpmaddwd + vpaddd ymm (the W8A8 kernel's pair): 16 multiply-adds */
+#define MADD_I16(c) c = _mm256_add_epi32(_mm256_madd_epi16(c, w), w)
+INT_PEAK_LOOP(peak_loop_madd_i16, const __m256i w = _mm256_set1_epi16(3), MADD_I16, 16)
 
 /* vpmaddubsw + vpaddw ymm (u8 x s8 pair sums added in int16: the W4A8 kernel's inner pair, which
    widens with one vpmaddwd per eight of these): 32 multiply-adds */
-double peak_loop_maddubs_i16(int64_t iters, int num_threads) {
-#if defined(__AVX2__) && defined(__FMA__)
-#pragma omp parallel num_threads(num_threads)
-    {
-        const __m256i w = _mm256_set1_epi8(3);
-        INT_CHAINS_INIT();
-#define STEP(c) c = _mm256_add_epi16(_mm256_maddubs_epi16(w, c), w)
-        for (int64_t i = 0; i < iters; i++) CHAINS(STEP);
-#undef STEP
-        SINK_ALL();
-    }
-    return (double)iters * 12 * 32 * num_threads;
-#else
-    (void)iters; (void)num_threads;
-    return 0.0;
-#endif
-}
+#define MADDUBS_I16(c) c = _mm256_add_epi16(_mm256_maddubs_epi16(w, c), w)
+INT_PEAK_LOOP(peak_loop_maddubs_i16, const __m256i w = _mm256_set1_epi8(3), MADDUBS_I16, 32)
 
 /* vpmaddubsw + vpmaddwd(ones) + vpaddd ymm (u8 x s8, llama.cpp's AVX2 dot product): 32 multiply-adds */
-double peak_loop_maddubs_u8s8(int64_t iters, int num_threads) {
-#if defined(__AVX2__) && defined(__FMA__)
-#pragma omp parallel num_threads(num_threads)
-    {
-        const __m256i ones = _mm256_set1_epi16(1), w = _mm256_set1_epi8(3);
-        INT_CHAINS_INIT();
-#define STEP(c) c = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(c, w), ones), w)
-        for (int64_t i = 0; i < iters; i++) CHAINS(STEP);
-#undef STEP
-        SINK_ALL();
-    }
-    return (double)iters * 12 * 32 * num_threads;
-#else
-    (void)iters; (void)num_threads;
-    return 0.0;
-#endif
-}
+#define MADDUBS_U8S8(c) c = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(c, w), ones), w)
+INT_PEAK_LOOP(peak_loop_maddubs_u8s8, const __m256i ones = _mm256_set1_epi16(1); const __m256i w = _mm256_set1_epi8(3),
+              MADDUBS_U8S8, 32)
