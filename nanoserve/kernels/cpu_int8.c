@@ -255,7 +255,9 @@ static inline __attribute__((always_inline)) void w8a8_tile(const int mb, const 
     } while (0)
 
 /* Row blocks outermost, then panels split across threads, then 6-row tiles (as panel_gemm_bf16). */
-#define I8_DRIVE(TILE, ...)                                                                      \
+/* Row blocks outermost, then panels over the threads, each panel against every row tile of the
+   block (ROW_TILES: I8_ROW_TILES, or W4_ROW_TILES for W4A8's 4-row tiles). */
+#define I8_DRIVE_TILES(ROW_TILES, TILE, ...)                                                     \
     do {                                                                                         \
         const int64_t num_panels = (N + I8_PANEL - 1) / I8_PANEL;                                \
         for (int64_t r0 = 0; r0 < M; r0 += I8_ROW_BLOCK) {                                       \
@@ -264,10 +266,11 @@ static inline __attribute__((always_inline)) void w8a8_tile(const int mb, const 
             for (int64_t p = 0; p < num_panels; p++) {                                           \
                 const int8_t *panel = panels + p * panel_bytes;                                  \
                 const int64_t n0 = p * I8_PANEL, nn = N - n0 < I8_PANEL ? N - n0 : I8_PANEL;      \
-                I8_ROW_TILES(TILE, __VA_ARGS__);                                                 \
+                ROW_TILES(TILE, __VA_ARGS__);                                                    \
             }                                                                                    \
         }                                                                                        \
     } while (0)
+#define I8_DRIVE(TILE, ...) I8_DRIVE_TILES(I8_ROW_TILES, TILE, __VA_ARGS__)
 #endif
 
 /* y[M, N] = x[M, K] . dequant(w)^T (+ bias), x and y float32. Returns 1 without AVX2/FMA. */
@@ -468,6 +471,17 @@ int int4_gemm_w4a16(const float *x, int64_t M, int64_t K, const int8_t *panels, 
 #define W4_ROWS 4   /* rows per tile: 8 int16 accumulators + the weights fit the 16 ymm registers */
 #define W4_OUTLIER 4.0 /* x is an outlier above 4x its block's mean |x|: ~3.2 sigma for Gaussian values */
 #define W4_MAX_OUTLIERS 8 /* per block: k outliers hold > k * 4 / 32 of the block's sum of |x|, so k < 8 */
+#define W4_ROW_TILES(TILE, ...)                                                                  \
+    do {                                                                                         \
+        int64_t m0 = r0;                                                                         \
+        for (; m0 + W4_ROWS <= r1; m0 += W4_ROWS) TILE(W4_ROWS, __VA_ARGS__);                    \
+        switch (r1 - m0) {                                                                       \
+            case 3: TILE(3, __VA_ARGS__); break;                                                 \
+            case 2: TILE(2, __VA_ARGS__); break;                                                 \
+            case 1: TILE(1, __VA_ARGS__); break;                                                 \
+            default: break;                                                                      \
+        }                                                                                        \
+    } while (0)
 
 /* x [M, K] float32 -> xq [M, Kp] int8 (zero past K), xs [M, Kp / 32] and xg [M, ceil(K / group)]
    float32, and each row's outliers. An outlier is a value above W4_OUTLIER times its block's mean
@@ -515,10 +529,11 @@ void quantize_blocks_int8(const float *x, int64_t M, int64_t K, int64_t Kp, int6
 static inline __attribute__((always_inline)) void w4a8_tile(const int mb, const int8_t *xq, const float *xs,
                                                              const float *xg, const int32_t *on, const int32_t *ok,
                                                              const float *ov, int64_t m0, int64_t Kp, int64_t G,
-                                                             const uint8_t *panel, const float *scales,
+                                                             const int8_t *panel_bytes_, const float *scales,
                                                              const float *offsets, int64_t Np, int64_t group,
                                                              int64_t n0, int64_t nn, int64_t N, const float *bias,
                                                              float *y) {
+    const uint8_t *panel = (const uint8_t *)panel_bytes_;
     const int64_t B = Kp / W4_BLOCK;
     const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi32(0x0F);
     const int64_t E = B * W4_MAX_OUTLIERS;
@@ -596,11 +611,11 @@ static inline __attribute__((always_inline)) void w4a8_tile(const int mb, const 
    buffers from Python were ten times that), then the W4A8 panels; scales and offsets as for W4A16.
    group: a multiple of 32, or >= K (one group). Returns 1 without AVX2/FMA, 2 if the quantized
    activations cannot be allocated. */
-int int4_gemm_w4a8(const float *x, int64_t M, int64_t K, const uint8_t *panels, const float *scales,
+int int4_gemm_w4a8(const float *x, int64_t M, int64_t K, const int8_t *panels, const float *scales,
                    const float *offsets, int64_t group, int64_t N, const float *bias, float *y, int num_threads) {
 #if defined(__AVX2__) && defined(__FMA__)
     const int64_t Kp = (K + W4_BLOCK - 1) / W4_BLOCK * W4_BLOCK, B = Kp / W4_BLOCK, E = B * W4_MAX_OUTLIERS;
-    const int64_t num_panels = (N + I8_PANEL - 1) / I8_PANEL, Np = num_panels * I8_PANEL;
+    const int64_t Np = (N + I8_PANEL - 1) / I8_PANEL * I8_PANEL;
     const int64_t G = (K + group - 1) / group, panel_bytes = Kp * (I8_PANEL / 2);
     int8_t *xq = malloc((size_t)(M * Kp));
     float *xs = malloc((size_t)(M * B) * sizeof(float)), *xg = malloc((size_t)(M * G) * sizeof(float));
@@ -609,23 +624,8 @@ int int4_gemm_w4a8(const float *x, int64_t M, int64_t K, const uint8_t *panels, 
     int rc = 2;
     if (xq == NULL || xs == NULL || xg == NULL || ov == NULL || on == NULL || ok == NULL) goto done;
     quantize_blocks_int8(x, M, K, Kp, group, xq, xs, xg, on, ok, ov, num_threads);
-    for (int64_t r0 = 0; r0 < M; r0 += I8_ROW_BLOCK) {
-        const int64_t r1 = M - r0 < I8_ROW_BLOCK ? M : r0 + I8_ROW_BLOCK;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-        for (int64_t p = 0; p < num_panels; p++) {
-            const uint8_t *panel = panels + p * panel_bytes;
-            const int64_t n0 = p * I8_PANEL, nn = N - n0 < I8_PANEL ? N - n0 : I8_PANEL;
-            int64_t m0 = r0;
-            for (; m0 + W4_ROWS <= r1; m0 += W4_ROWS)
-                w4a8_tile(W4_ROWS, xq, xs, xg, on, ok, ov, m0, Kp, G, panel, scales, offsets, Np, group, n0, nn, N, bias, y);
-            switch (r1 - m0) {
-                case 3: w4a8_tile(3, xq, xs, xg, on, ok, ov, m0, Kp, G, panel, scales, offsets, Np, group, n0, nn, N, bias, y); break;
-                case 2: w4a8_tile(2, xq, xs, xg, on, ok, ov, m0, Kp, G, panel, scales, offsets, Np, group, n0, nn, N, bias, y); break;
-                case 1: w4a8_tile(1, xq, xs, xg, on, ok, ov, m0, Kp, G, panel, scales, offsets, Np, group, n0, nn, N, bias, y); break;
-                default: break;
-            }
-        }
-    }
+    I8_DRIVE_TILES(W4_ROW_TILES, w4a8_tile, xq, xs, xg, on, ok, ov, m0, Kp, G, panel, scales, offsets, Np, group, n0,
+                   nn, N, bias, y);
     rc = 0;
 done:
     free(xq), free(xs), free(xg), free(ov), free(on), free(ok);
