@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 
 from nanoserve.bench.cli import main, parse_args
-from nanoserve.bench.peers.llamacpp import (BatchedBenchRow, batched_bench_command, parse_batched_bench, row_result,
-                                            workload_lengths)
+from nanoserve.bench.peers.llamacpp import (BatchedBenchRow, LlamaCppPeer, batched_bench_command,
+                                            parse_batched_bench, row_result, workload_lengths)
 from nanoserve.bench.peers.llamacpp_setup import (BINARIES, QUANTIZATIONS, binaries_in, checkpoint_fingerprint,
                                                   conversion_steps, ensure_gguf, find_binaries, find_source,
                                                   gguf_dir, gguf_path, llamacpp_root, resolve_source)
-from nanoserve.bench.peers import PeerUnavailable
+from nanoserve.bench.peers import PeerSettings, PeerUnavailable
 from nanoserve.bench.workloads import Request, WorkloadSpec, make_requests
 
 DATA = Path(__file__).parent / "data" / "llamacpp"
@@ -82,6 +82,30 @@ def test_batched_bench_command_follows_peers_md():
     # Every sequence must fit its share of the context, else batched-bench silently skips the row.
     long = batched_bench_command("bb", "m.gguf", n=3, p=4000, g=16, threads=2)
     assert long[long.index("-c") + 1] == str(3 * 4016)
+    # A retry pads with more trailing rows: under load the log thread needs longer to get a core.
+    padded = batched_bench_command("bb", "m.gguf", n=3, p=4, g=2, threads=2, trailing=8)
+    assert padded[padded.index("-npl") + 1] == "3," + ",".join(["1"] * 8)
+    with pytest.raises(ValueError, match="trailing"):
+        batched_bench_command("bb", "m.gguf", n=3, p=4, g=2, threads=2, trailing=0)
+
+
+def test_a_lost_row_is_retried_with_more_trailing_rows(tmp_path):
+    # Stands in for batched-bench under load: the measured row reaches the log only when at least
+    # 8 trailing rows follow it; otherwise the process exits cleanly without it.
+    fake = tmp_path / "llama-batched-bench"
+    fake.write_text('#!/bin/sh\nwhile [ "$1" != "-npl" ]; do shift; done\n'
+                    'rows=$(echo "$2" | tr "," "\\n" | wc -l)\n'
+                    'if [ "$rows" -ge 9 ]; then echo "|    12 |      5 |    3 |     51 |    0.010 |  3600.00 |'
+                    '    0.020 |   750.00 |    0.030 |  1700.00 |"; fi\n')
+    fake.chmod(0o755)
+    peer = LlamaCppPeer("Q8_0", PeerSettings(model="m", dtype="bfloat16", device="cpu", threads=2),
+                        [Request([1] * 12, 5)] * 3, {"llama-batched-bench": str(fake)}, source="/src")
+    peer.gguf = "m.gguf"
+    (run,) = peer.run()
+    assert (run.num_requests, run.output_tokens) == (3, 15)
+    fake.write_text("#!/bin/sh\necho no table\n")  # never prints the row: a clear error, not a hang
+    with pytest.raises(PeerUnavailable, match="no row for 3 x"):
+        peer.run()
 
 
 def test_cli_llamacpp_flags(tmp_path):

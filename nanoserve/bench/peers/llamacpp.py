@@ -29,9 +29,11 @@ MIN_CONTEXT = 8192
 BATCH, UBATCH = 2048, 512
 # batched-bench prints its table through llama.cpp's log thread, which the process does not wait for
 # at exit (llama.cpp issue 22142): a row printed just before exit is often lost (5 times in 6 on a
-# tiny model here). So a cheap single-sequence row (P, G, 1) runs after the measured one, while the
-# log thread writes it; a run that still shows no row is tried again, up to this many times.
-ATTEMPTS = 3
+# tiny model here, where its spinning compute threads starve the log thread). So cheap
+# single-sequence rows (P, G, 1) run after the measured one while the log thread writes it: one on
+# the first attempt (a real model's row takes seconds), TRAILING_GROWTH times more on each retry.
+ATTEMPTS = 4
+TRAILING_GROWTH = 8
 ROW = re.compile(r"^\|\s*" + r"\s*\|\s*".join([r"(\d+)"] * 4 + [r"([\d.]+)"] * 6) + r"\s*\|\s*$")
 
 
@@ -71,13 +73,16 @@ def workload_lengths(requests: list[Request]) -> tuple[int, int, int]:
             max(1, round(sum(r.max_tokens for r in requests) / n)))
 
 
-def batched_bench_command(binary: str, gguf: str, n: int, p: int, g: int, threads: int) -> list[str]:
+def batched_bench_command(binary: str, gguf: str, n: int, p: int, g: int, threads: int,
+                          trailing: int = 1) -> list[str]:
     # Without unified KV, each of the n sequences gets context / n cells: every one must hold P + G,
     # else batched-bench silently skips the row.
-    # The trailing 1 in -npl: see ATTEMPTS. Rows run in -npl's order, so the measured row comes first.
+    # The trailing 1s in -npl: see ATTEMPTS. Rows run in -npl's order, so the measured row comes first.
+    if trailing < 1:
+        raise ValueError(f"trailing must be >= 1, got {trailing}")
     context = max(MIN_CONTEXT, n * (p + g))
     return [binary, "-m", gguf, "-c", str(context), "-b", str(BATCH), "-ub", str(UBATCH), "-npp", str(p),
-            "-ntg", str(g), "-npl", f"{n},1", "-t", str(threads), "-fa", "on"]
+            "-ntg", str(g), "-npl", ",".join([str(n)] + ["1"] * trailing), "-t", str(threads), "-fa", "on"]
 
 
 def row_result(name: str, row: BatchedBenchRow, roof: Roofline | None = None) -> RunResult:
@@ -113,28 +118,28 @@ class LlamaCppPeer:
         return [f"{self.gguf}: {n} sequences x {p} prompt + {g} output tokens (the workload's count and mean "
                 f"lengths, fixed), {self.settings.threads} threads"]
 
-    def command(self) -> list[str]:
+    def command(self, trailing: int = 1) -> list[str]:
         assert self.gguf is not None, "start() first"
         return batched_bench_command(self.binaries["llama-batched-bench"], self.gguf, *self.lengths,
-                                     self.settings.threads)
+                                     self.settings.threads, trailing)
 
     def run(self) -> list[RunResult]:
         for attempt in range(1, ATTEMPTS + 1):
-            row = self._run_once()
+            row = self._run_once(trailing=TRAILING_GROWTH ** (attempt - 1))
             if row is not None:
                 return [row_result(self.name, row, self.roof)]
             print(f"[{self.name}] batched-bench printed no result row (attempt {attempt} of {ATTEMPTS})", flush=True)
         raise PeerUnavailable(f"llama-batched-bench printed no row for {self.lengths[0]} x ({self.lengths[1]} + "
                               f"{self.lengths[2]}) tokens in {ATTEMPTS} runs; last lines of its output:\n{self._tail}")
 
-    def _run_once(self) -> BatchedBenchRow | None:
+    def _run_once(self, trailing: int) -> BatchedBenchRow | None:
         """The measured row of one batched-bench run; None when it exited cleanly without printing it."""
         n, p, g = self.lengths
         with tempfile.TemporaryDirectory(prefix="nanoserve-llamacpp-") as d:
             log_path = os.path.join(d, "batched-bench.log")
             with open(log_path, "w") as log:
                 try:
-                    rc = subprocess.run(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                    rc = subprocess.run(self.command(trailing), stdout=log, stderr=subprocess.STDOUT,
                                         timeout=self.timeout_s).returncode
                 except subprocess.TimeoutExpired:
                     raise PeerUnavailable(f"llama-batched-bench took over {self.timeout_s:.0f} s") from None
