@@ -22,6 +22,9 @@ DTYPES = ("auto", *TORCH_DTYPES)
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 DEVICES = ("auto", "cpu", "cuda")
 WEIGHT_SUFFIXES = (".safetensors",)
+# A step's default token budget (Config.max_num_batched_tokens=None).
+STEP_TOKENS = {"default": 8192, "pooling_cpu": 512}
+
 # Weights in pickle files: unpickling runs arbitrary code, so they are never read.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -36,7 +39,7 @@ class Config:
     device: str = "auto"
     dtype: str = "auto"  # also vLLM's "half" / "float" and torch dtypes, stored as one of DTYPES
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int | None = None  # None = STEP_TOKENS[runner on device] (see _resolve_step_budget)
     max_model_len: int | None = None  # None = min(4096, max_position_embeddings)
     kvcache_block_size: int | None = None  # None = the backend's: 256 where flash-attn runs (its paged-KV minimum), else 16
     num_kvcache_blocks: int | None = None  # None = derived from the memory budget below
@@ -86,6 +89,8 @@ class Config:
                 f"max_model_len={self.max_model_len} exceeds the checkpoint's "
                 f"max_position_embeddings={max_pos}"
             )
+        self._resolve_pooling(source)
+        self._resolve_step_budget()
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
@@ -98,7 +103,6 @@ class Config:
                 f"implement; pass max_model_len <= {window} (got {self.max_model_len}), "
                 "where full attention is the same"
             )
-        self._resolve_pooling(source)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -115,6 +119,17 @@ class Config:
         if self.tensor_parallel_size > 1:
             raise ValueError("runner='pooling' runs with tensor_parallel_size=1 only")
         self.pooling = resolve_pooling(self.model, self.hf_config, self.pooler_config)
+
+    def _resolve_step_budget(self) -> None:
+        """The default token budget of a step, when none was given. Embedding on the CPU runs
+        compute-bound prefills only, where 512-token steps keep each layer's activations in cache:
+        0.253 docs/s against 0.226 at 8192 (Qwen3-0.6B shape, 138-497-token documents, 2 AVX2 cores).
+        Without chunked prefill a step must hold the longest prompt."""
+        if self.max_num_batched_tokens is not None:
+            return
+        on_cpu = self.device == "cpu" or (self.device == "auto" and not torch.cuda.is_available())
+        budget = STEP_TOKENS["pooling_cpu" if self.runner == "pooling" and on_cpu else "default"]
+        self.max_num_batched_tokens = budget if self.enable_chunked_prefill else max(budget, self.max_model_len)
 
     def _check_model_dir(self) -> None:
         if not isinstance(self.model, (str, os.PathLike)):
@@ -173,7 +188,8 @@ class Config:
         }
         for name, lo in minimums.items():
             value = getattr(self, name)
-            if value is None and name in ("max_model_len", "num_kvcache_blocks", "kvcache_block_size"):
+            if value is None and name in ("max_model_len", "num_kvcache_blocks", "kvcache_block_size",
+                                          "max_num_batched_tokens"):
                 continue
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"{name} must be an int, got {value!r}")

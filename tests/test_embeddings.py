@@ -13,6 +13,7 @@ from helpers import assert_no_leak, make_llm
 
 from nanoserve import LLM, PoolingParams, RequestError, SamplingParams
 from nanoserve.cli import main
+from nanoserve.config import STEP_TOKENS, Config
 from nanoserve.utils.tiny_embedding import build_tiny_embedding_checkpoint
 
 # Docs of varied lengths (after tokenization about 5 to 300 tokens); with max_num_batched_tokens=64
@@ -199,6 +200,19 @@ def test_runner_names_and_refusals(ckpts, tmp_path):
         LLM(max_pooled, **POOLING)
     with LLM(max_pooled, pooler_config={"pooling_type": "LAST"}, **POOLING) as overridden:  # vLLM's override
         assert overridden.config.pooling.pooling_type == "LAST"
+
+
+def test_step_budget_default_is_per_runner_and_device(ckpts, tiny_model):
+    unset = {k: v for k, v in POOLING.items() if k != "max_num_batched_tokens"}
+    assert Config(ckpts["last"], **unset).max_num_batched_tokens == STEP_TOKENS["pooling_cpu"]
+    assert Config(ckpts["last"], **unset, max_num_batched_tokens=100).max_num_batched_tokens == 100
+    assert Config(tiny_model, device="cpu").max_num_batched_tokens == STEP_TOKENS["default"]
+    # Without chunked prefill the default grows to hold the longest prompt instead of refusing.
+    longest = STEP_TOKENS["pooling_cpu"] + 8
+    unchunked = Config(ckpts["last"], **{**unset, "max_model_len": longest}, enable_chunked_prefill=False)
+    assert unchunked.max_num_batched_tokens == longest
+    with pytest.raises(ValueError, match="max_num_batched_tokens=64 must be >= max_model_len"):
+        Config(ckpts["last"], **{**POOLING, "max_model_len": longest}, enable_chunked_prefill=False)
 
 
 def _edit_json(path: str, **changes) -> None:
