@@ -141,13 +141,16 @@ static inline __attribute__((always_inline)) void w8a16_tile(const int mb, const
             if (mb > 4) b = _mm256_broadcast_ss(x4 + k), c40 = _mm256_fmadd_ps(b, w0, c40), c41 = _mm256_fmadd_ps(b, w1, c41);
             if (mb > 5) b = _mm256_broadcast_ss(x5 + k), c50 = _mm256_fmadd_ps(b, w0, c50), c51 = _mm256_fmadd_ps(b, w1, c51);
         }
+        /* per channel, the scratch holds the integers and the scales apply here, once */
         const __m256 one = _mm256_set1_ps(1.0f);
-        flush_row(tile[0], c00, c01, one, one);
-        if (mb > 1) flush_row(tile[1], c10, c11, one, one);
-        if (mb > 2) flush_row(tile[2], c20, c21, one, one);
-        if (mb > 3) flush_row(tile[3], c30, c31, one, one);
-        if (mb > 4) flush_row(tile[4], c40, c41, one, one);
-        if (mb > 5) flush_row(tile[5], c50, c51, one, one);
+        const __m256 s0 = group >= K ? _mm256_loadu_ps(scales + n0) : one;
+        const __m256 s1 = group >= K ? _mm256_loadu_ps(scales + n0 + 8) : one;
+        flush_row(tile[0], c00, c01, s0, s1);
+        if (mb > 1) flush_row(tile[1], c10, c11, s0, s1);
+        if (mb > 2) flush_row(tile[2], c20, c21, s0, s1);
+        if (mb > 3) flush_row(tile[3], c30, c31, s0, s1);
+        if (mb > 4) flush_row(tile[4], c40, c41, s0, s1);
+        if (mb > 5) flush_row(tile[5], c50, c51, s0, s1);
         store_rows(mb, tile, y, m0, N, n0, nn, NULL, bias);
         return;
     }
@@ -283,10 +286,11 @@ int int8_gemm_w8a16(const float *x, int64_t M, int64_t K, const int8_t *panels, 
         I8_DRIVE(w8a16_tile, x, m0, K, Kp, panel, scales, Np, group, n0, nn, N, bias, y, wf);
         return 0;
     }
-    /* More rows: dequantize each panel once into a float32 scratch ([K][16], in L2) and run every
-       row tile against it. Widening int8 takes two 256-bit ops per 8 weights (vpmovsxbd,
-       vcvtdq2ps); done in every tile it held the tile at ~67% of the FMA peak on Zen 1, where a
-       256-bit op is two halves. */
+    /* More rows: widen each panel once into a float32 scratch ([K][16], in L2) and run every row
+       tile against it. Widening int8 takes two 256-bit ops per 8 weights (vpmovsxbd, vcvtdq2ps);
+       done in every tile it held the tile at ~67% of the FMA peak on Zen 1, where a 256-bit op is
+       two halves. Per channel the scratch keeps the integers and the tiles scale their sums: no
+       multiply per weight in the FMA pipes (7-16 rows 4-6% faster on Zen 1). */
     const int64_t num_panels = (N + I8_PANEL - 1) / I8_PANEL;
     for (int64_t r0 = 0; r0 < M; r0 += I8_ROW_BLOCK) {  /* row blocks outermost, as I8_DRIVE */
         const int64_t r1 = M - r0 < I8_ROW_BLOCK ? M : r0 + I8_ROW_BLOCK;
@@ -298,7 +302,13 @@ int int8_gemm_w8a16(const float *x, int64_t M, int64_t K, const int8_t *panels, 
             for (int64_t p = 0; p < num_panels; p++) {
                 const int8_t *panel = panels + p * Kp * I8_PANEL;
                 const int64_t n0 = p * I8_PANEL, nn = N - n0 < I8_PANEL ? N - n0 : I8_PANEL;
-                for (int64_t g0 = 0, gi = 0; wf != NULL && g0 < K; g0 += group, gi++) {
+                if (wf != NULL && group >= K) {  /* per channel: integers only, scaled in the tile's flush */
+                    for (int64_t k = 0; k < K; k++) {
+                        _mm256_storeu_ps(wf + k * I8_PANEL, widen_i8x8(panel + k * I8_PANEL));
+                        _mm256_storeu_ps(wf + k * I8_PANEL + 8, widen_i8x8(panel + k * I8_PANEL + 8));
+                    }
+                }
+                for (int64_t g0 = 0, gi = 0; wf != NULL && group < K && g0 < K; g0 += group, gi++) {
                     const int64_t g1 = g0 + group < K ? g0 + group : K;
                     const __m256 s0 = _mm256_loadu_ps(scales + gi * Np + n0);
                     const __m256 s1 = _mm256_loadu_ps(scales + gi * Np + n0 + 8);
