@@ -125,6 +125,7 @@ def test_int4_runs_w4a8_by_default_within_the_accuracy_gate(checkpoints, name):
         pytest.skip("no AVX2/FMA build of the CPU kernels")
     gemms = [m.gemm for m in llm.engine.model_runner.model.modules() if hasattr(m, "make_quantized")]
     assert gemms and all(isinstance(g, Int4Gemm) and g.weight.w4a8 for g in gemms)
+    assert llm.engine.model_runner.backend.describe()["quantized linears"] == "int4 W4A8"  # what bench.py prints
     del llm
     rng = random.Random(0)
     prompts = [[rng.randrange(500) for _ in range(rng.randint(4, 16))] for _ in range(8)]

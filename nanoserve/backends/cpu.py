@@ -164,6 +164,7 @@ class CPUBackend(Backend):
         if self.kernels is not None and self.kernels.lib.int8_gemm_supported():
             self.int8, self.int4 = Int8Kernels(self.kernels.lib), Int4Kernels(self.kernels.lib)
         self.w8a8_min_rows = w8a8_min_rows(self.options.int8)
+        self.checkpoint_paths: set[str] = set()  # what prepare_quantized_linear chose, for describe()
         if quantization == "int8":
             if self.int8 is None:
                 raise ValueError("quantization='int8' needs the CPU kernels built with AVX2 and FMA "
@@ -176,12 +177,16 @@ class CPUBackend(Backend):
 
     def describe(self) -> dict[str, str]:
         attention = "C paged attention" if self.attention_lib is not None else "torch SDPA"
-        gemm = self.gemm
-        if self.gemm == "int8":
-            gemm = ("int8 W8A16" if self.w8a8_min_rows is None else "int8 W8A8" if self.w8a8_min_rows <= 1
-                    else f"int8 W8A16 below {self.w8a8_min_rows} rows, W8A8 from there")
-        return {"backend": self.name, "gemm": gemm, "attention": attention,
-                "fused ops": "C" if self.kernels is not None else "torch"}
+        gemm = self._int8_path_name() if self.gemm == "int8" else self.gemm
+        out = {"backend": self.name, "gemm": gemm, "attention": attention,
+               "fused ops": "C" if self.kernels is not None else "torch"}
+        if self.checkpoint_paths:  # a pre-quantized checkpoint's linears (the rest run `gemm`)
+            out["quantized linears"] = ", ".join(sorted(self.checkpoint_paths))
+        return out
+
+    def _int8_path_name(self) -> str:
+        return ("int8 W8A16" if self.w8a8_min_rows is None else "int8 W8A8" if self.w8a8_min_rows <= 1
+                else f"int8 W8A16 below {self.w8a8_min_rows} rows, W8A8 from there")
 
     # ---- linear layers ------------------------------------------------------------------------
 
@@ -203,10 +208,13 @@ class CPUBackend(Backend):
         default: its integer multiply-adds beat W4A16's float32 FMAs at every row count (1.2x at 64+
         rows, 2-3x at 1-2 on AVX2), for llama.cpp's Q8_0 rounding of the activations (README)."""
         if self.int8 is None:
+            self.checkpoint_paths.add(f"dequantized, {self.gemm}")
             return super().prepare_quantized_linear(weight, bias)
         if self.options.int8 not in INT8_PATHS and fits_int4(weight.qweight, weight.group_size):
             w4a8 = self.options.int8 != "w4a16" and w4a8_supported(weight.group_size, weight.qweight.shape[1])
+            self.checkpoint_paths.add("int4 W4A8" if w4a8 else "int4 W4A16")
             return Int4Gemm(weight, bias, self.int4, w4a8)
+        self.checkpoint_paths.add(self._int8_path_name())
         return Int8Gemm(weight, bias, self.int8, self.w8a8_min_rows)  # each path's float32 result, not rounded and widened
 
     def _gemm(self, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None) -> LinearFn:
