@@ -119,6 +119,17 @@ static inline __m256 widen_i8x8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 
+/* The mb rows of float accumulators c00 .. c51 into the tile, scaled by (s0, s1) */
+#define W8A16_FLUSH(s0, s1)                                                                      \
+    do {                                                                                         \
+        flush_row(tile[0], c00, c01, s0, s1);                                                    \
+        if (mb > 1) flush_row(tile[1], c10, c11, s0, s1);                                        \
+        if (mb > 2) flush_row(tile[2], c20, c21, s0, s1);                                        \
+        if (mb > 3) flush_row(tile[3], c30, c31, s0, s1);                                        \
+        if (mb > 4) flush_row(tile[4], c40, c41, s0, s1);                                        \
+        if (mb > 5) flush_row(tile[5], c50, c51, s0, s1);                                        \
+    } while (0)
+
 /* W8A16: rows m0 .. m0+mb-1 of x (float32, row stride K) against one panel. Named accumulators,
    as in the bf16 panel tile: an array would be kept in memory. */
 static inline __attribute__((always_inline)) void w8a16_tile(const int mb, const float *x, int64_t m0, int64_t K,
@@ -145,12 +156,7 @@ static inline __attribute__((always_inline)) void w8a16_tile(const int mb, const
         const __m256 one = _mm256_set1_ps(1.0f);
         const __m256 s0 = group >= K ? _mm256_loadu_ps(scales + n0) : one;
         const __m256 s1 = group >= K ? _mm256_loadu_ps(scales + n0 + 8) : one;
-        flush_row(tile[0], c00, c01, s0, s1);
-        if (mb > 1) flush_row(tile[1], c10, c11, s0, s1);
-        if (mb > 2) flush_row(tile[2], c20, c21, s0, s1);
-        if (mb > 3) flush_row(tile[3], c30, c31, s0, s1);
-        if (mb > 4) flush_row(tile[4], c40, c41, s0, s1);
-        if (mb > 5) flush_row(tile[5], c50, c51, s0, s1);
+        W8A16_FLUSH(s0, s1);
         store_rows(mb, tile, y, m0, N, n0, nn, NULL, bias);
         return;
     }
@@ -170,12 +176,7 @@ static inline __attribute__((always_inline)) void w8a16_tile(const int mb, const
             if (mb > 5) b = _mm256_broadcast_ss(x5 + k), c50 = _mm256_fmadd_ps(b, w0, c50), c51 = _mm256_fmadd_ps(b, w1, c51);
         }
         const __m256 s0 = _mm256_loadu_ps(scales + gi * Np + n0), s1 = _mm256_loadu_ps(scales + gi * Np + n0 + 8);
-        flush_row(tile[0], c00, c01, s0, s1);
-        if (mb > 1) flush_row(tile[1], c10, c11, s0, s1);
-        if (mb > 2) flush_row(tile[2], c20, c21, s0, s1);
-        if (mb > 3) flush_row(tile[3], c30, c31, s0, s1);
-        if (mb > 4) flush_row(tile[4], c40, c41, s0, s1);
-        if (mb > 5) flush_row(tile[5], c50, c51, s0, s1);
+        W8A16_FLUSH(s0, s1);
     }
     (void)Kp;
     store_rows(mb, tile, y, m0, N, n0, nn, NULL, bias);
