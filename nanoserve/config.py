@@ -127,6 +127,7 @@ class Config:
         Without chunked prefill a step must hold the longest prompt."""
         if self.max_num_batched_tokens is not None:
             return
+        # "auto" as engine.model_runner.resolve_device decides it (not imported: it imports this module)
         on_cpu = self.device == "cpu" or (self.device == "auto" and not torch.cuda.is_available())
         budget = STEP_TOKENS["pooling_cpu" if self.runner == "pooling" and on_cpu else "default"]
         self.max_num_batched_tokens = budget if self.enable_chunked_prefill else max(budget, self.max_model_len)
