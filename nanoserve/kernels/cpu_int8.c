@@ -258,7 +258,6 @@ static inline __attribute__((always_inline)) void w8a8_tile(const int mb, const 
         }                                                                                        \
     } while (0)
 
-/* Row blocks outermost, then panels split across threads, then 6-row tiles (as panel_gemm_bf16). */
 /* Row blocks outermost, then panels over the threads, each panel against every row tile of the
    block (ROW_TILES: I8_ROW_TILES, or W4_ROW_TILES for W4A8's 4-row tiles). */
 #define I8_DRIVE_TILES(ROW_TILES, TILE, ...)                                                     \
