@@ -266,9 +266,117 @@ static inline float dot_f32(const float *restrict a, const float *restrict b, in
     return dot;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __m256 widen_bf16x8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
+/* Scores of two query heads (q1 may equal q0: then s1 is a copy) against four bf16 key rows of
+   n values (n % 8 == 0), the keys widened in registers once for both heads: eight independent
+   FMA chains, where a dot product per (key, head) is one chain ended by a horizontal sum. */
+static inline void qk_bf16_4x2(const float *q0, const float *q1, const uint16_t *k0, const uint16_t *k1,
+                               const uint16_t *k2, const uint16_t *k3, int64_t n, float s0[4], float s1[4]) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    for (int64_t d = 0; d < n; d += 8) {
+        const __m256 x = _mm256_loadu_ps(q0 + d), y = _mm256_loadu_ps(q1 + d);
+        __m256 k = widen_bf16x8(k0 + d);
+        a0 = _mm256_fmadd_ps(x, k, a0), b0 = _mm256_fmadd_ps(y, k, b0);
+        k = widen_bf16x8(k1 + d);
+        a1 = _mm256_fmadd_ps(x, k, a1), b1 = _mm256_fmadd_ps(y, k, b1);
+        k = widen_bf16x8(k2 + d);
+        a2 = _mm256_fmadd_ps(x, k, a2), b2 = _mm256_fmadd_ps(y, k, b2);
+        k = widen_bf16x8(k3 + d);
+        a3 = _mm256_fmadd_ps(x, k, a3), b3 = _mm256_fmadd_ps(y, k, b3);
+    }
+    s0[0] = hsum8(a0), s0[1] = hsum8(a1), s0[2] = hsum8(a2), s0[3] = hsum8(a3);
+    s1[0] = hsum8(b0), s1[1] = hsum8(b1), s1[2] = hsum8(b2), s1[3] = hsum8(b3);
+}
+#endif
+
+/* QK^T of one decode work item over a bf16 cache: scores[r * max_keys + j] for its rows query
+   heads (qs, scaled) and keys 0..nkeys-1, four keys and two heads at a time. */
+static void decode_scores_bf16(const float *qs, const uint16_t *k_cache, const int32_t *table, int64_t nkeys,
+                               int64_t block_size, int64_t num_kv_heads, int64_t kv0, int64_t kv_per_item,
+                               int64_t G, int64_t head_dim, float *scores, int64_t max_keys) {
+#if defined(__AVX2__) && defined(__FMA__)
+    for (int64_t j0 = 0; j0 < nkeys; j0 += 4) {
+        const uint16_t *rows[4];  /* a short block repeats its last key; those scores are dropped */
+        for (int64_t i = 0; i < 4; i++) {
+            const int64_t j = j0 + i < nkeys ? j0 + i : nkeys - 1;
+            const int64_t slot = (int64_t)table[j / block_size] * block_size + j % block_size;
+            rows[i] = k_cache + (slot * num_kv_heads + kv0) * head_dim;
+        }
+        const int64_t nk = nkeys - j0 < 4 ? nkeys - j0 : 4;
+        for (int64_t h = 0; h < kv_per_item; h++) {
+            const int64_t koff = h * head_dim;
+            for (int64_t g = 0; g < G; g += 2) {
+                const int64_t r0 = h * G + g, r1 = g + 1 < G ? r0 + 1 : r0;
+                float s0[4], s1[4];
+                qk_bf16_4x2(qs + r0 * head_dim, qs + r1 * head_dim, rows[0] + koff, rows[1] + koff,
+                            rows[2] + koff, rows[3] + koff, head_dim, s0, s1);
+                for (int64_t i = 0; i < nk; i++) {
+                    scores[r0 * max_keys + j0 + i] = s0[i];
+                    scores[r1 * max_keys + j0 + i] = s1[i];
+                }
+            }
+        }
+    }
+#else
+    (void)qs; (void)k_cache; (void)table; (void)nkeys; (void)block_size; (void)num_kv_heads; (void)kv0;
+    (void)kv_per_item; (void)G; (void)head_dim; (void)scores; (void)max_keys;
+#endif
+}
+
+/* P.V of one decode work item over a bf16 cache: acc[r] += sum_j scores[r][j] * v_j for its rows
+   query heads, four value rows at a time widened in registers once for the G heads that share them. */
+static void decode_values_bf16(const float *scores, const uint16_t *v_cache, const int32_t *table, int64_t nkeys,
+                               int64_t block_size, int64_t num_kv_heads, int64_t kv0, int64_t kv_per_item,
+                               int64_t G, int64_t head_dim, float *acc, int64_t max_keys) {
+#if defined(__AVX2__) && defined(__FMA__)
+    for (int64_t j0 = 0; j0 < nkeys; j0 += 4) {
+        const uint16_t *rows[4];
+        const int64_t nk = nkeys - j0 < 4 ? nkeys - j0 : 4;
+        for (int64_t i = 0; i < 4; i++) {  /* a short block repeats its last row with weight 0 */
+            const int64_t j = j0 + i < nkeys ? j0 + i : nkeys - 1;
+            const int64_t slot = (int64_t)table[j / block_size] * block_size + j % block_size;
+            rows[i] = v_cache + (slot * num_kv_heads + kv0) * head_dim;
+        }
+        for (int64_t h = 0; h < kv_per_item; h++) {
+            const int64_t voff = h * head_dim;
+            for (int64_t d = 0; d < head_dim; d += 8) {
+                const __m256 v0 = widen_bf16x8(rows[0] + voff + d), v1 = widen_bf16x8(rows[1] + voff + d);
+                const __m256 v2 = widen_bf16x8(rows[2] + voff + d), v3 = widen_bf16x8(rows[3] + voff + d);
+                for (int64_t g = 0; g < G; g++) {
+                    const int64_t r = h * G + g;
+                    const float *p = scores + r * max_keys + j0;
+                    float *a = acc + r * head_dim + d;
+                    __m256 sum = _mm256_fmadd_ps(_mm256_set1_ps(p[0]), v0, _mm256_loadu_ps(a));
+                    sum = _mm256_fmadd_ps(_mm256_set1_ps(nk > 1 ? p[1] : 0.0f), v1, sum);
+                    sum = _mm256_fmadd_ps(_mm256_set1_ps(nk > 2 ? p[2] : 0.0f), v2, sum);
+                    sum = _mm256_fmadd_ps(_mm256_set1_ps(nk > 3 ? p[3] : 0.0f), v3, sum);
+                    _mm256_storeu_ps(a, sum);
+                }
+            }
+        }
+    }
+#else
+    (void)scores; (void)v_cache; (void)table; (void)nkeys; (void)block_size; (void)num_kv_heads; (void)kv0;
+    (void)kv_per_item; (void)G; (void)head_dim; (void)acc; (void)max_keys;
+#endif
+}
+
 /* Decode: one query token per sequence. A work item is (sequence, group of kv_per_item KV heads):
    it reads each key's kv_per_item * head_dim values, contiguous in the cache, so memory is walked
-   block by block. Returns 0 on success, 1 if scratch memory could not be allocated. */
+   block by block. A bf16 cache (head_dim % 8 == 0) is widened in registers, four keys at a time
+   for the GQA heads that share them (decode_scores_bf16, decode_values_bf16): 1.2-1.5x faster than
+   widening each row into a scratch and ending every (key, head) dot product in a horizontal sum
+   (Zen 1, Qwen3-0.6B heads, 128-2048 keys, 1-16 sequences). Returns 0 on success, 1 if scratch memory could not be allocated. */
 int paged_decode_f32(
     const float *q,              /* [num_seqs, num_heads, head_dim] */
     float *out,                  /* [num_seqs, num_heads, head_dim] */
@@ -288,6 +396,11 @@ int paged_decode_f32(
     const int64_t rows = kv_per_item * G;      /* query heads per work item */
     const int64_t width = kv_per_item * head_dim;
     const int64_t groups = num_kv_heads / kv_per_item;
+#if defined(__AVX2__) && defined(__FMA__)
+    const int bf16_in_registers = cache_dtype == DTYPE_BF16 && head_dim % 8 == 0;
+#else
+    const int bf16_in_registers = 0;
+#endif
     int failed = 0;
 
 #pragma omp parallel num_threads(num_threads)
@@ -312,12 +425,17 @@ int paged_decode_f32(
                 const float *qsrc = q + (seq * num_heads + kv0 * G) * head_dim;
                 for (int64_t x = 0; x < rows * head_dim; x++) qs[x] = qsrc[x] * scale;
 
-                for (int64_t j = 0, b = 0, off = 0; j < nkeys; j++) {
-                    const int64_t slot = (int64_t)table[b] * block_size + off;
-                    if (++off == block_size) { off = 0; b++; }
-                    widen_row(k_cache, (slot * num_kv_heads + kv0) * head_dim, width, cache_dtype, kv);
-                    for (int64_t r = 0; r < rows; r++)
-                        scores[r * max_keys + j] = dot_f32(qs + r * head_dim, kv + (r / G) * head_dim, head_dim);
+                if (bf16_in_registers) {
+                    decode_scores_bf16(qs, (const uint16_t *)k_cache, table, nkeys, block_size, num_kv_heads, kv0,
+                                       kv_per_item, G, head_dim, scores, max_keys);
+                } else {
+                    for (int64_t j = 0, b = 0, off = 0; j < nkeys; j++) {
+                        const int64_t slot = (int64_t)table[b] * block_size + off;
+                        if (++off == block_size) { off = 0; b++; }
+                        widen_row(k_cache, (slot * num_kv_heads + kv0) * head_dim, width, cache_dtype, kv);
+                        for (int64_t r = 0; r < rows; r++)
+                            scores[r * max_keys + j] = dot_f32(qs + r * head_dim, kv + (r / G) * head_dim, head_dim);
+                    }
                 }
                 for (int64_t r = 0; r < rows; r++) {
                     float *s = scores + r * max_keys;
@@ -327,7 +445,10 @@ int paged_decode_f32(
                     inv_sum[r] = 1.0f / sum;
                 }
                 memset(acc, 0, sizeof(float) * (size_t)(rows * head_dim));
-                for (int64_t j0 = 0, b = 0, off = 0; j0 < nkeys; j0 += VB) {
+                if (bf16_in_registers)
+                    decode_values_bf16(scores, (const uint16_t *)v_cache, table, nkeys, block_size, num_kv_heads,
+                                       kv0, kv_per_item, G, head_dim, acc, max_keys);
+                for (int64_t j0 = 0, b = 0, off = 0; !bf16_in_registers && j0 < nkeys; j0 += VB) {
                     const int64_t vb = nkeys - j0 < VB ? nkeys - j0 : VB;
                     for (int64_t k = 0; k < VB; k++) {
                         float *dst = kv + k * width;
