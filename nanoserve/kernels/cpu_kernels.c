@@ -299,6 +299,18 @@ static inline void qk_bf16_4x2(const float *q0, const float *q1, const uint16_t 
 }
 #endif
 
+/* The cache rows (first KV head kv0) of keys j0 .. j0+3 of a sequence; past its last key, the last
+   one again, so a block of four is always whole. */
+static inline void four_rows(const uint16_t *cache, const int32_t *table, int64_t j0, int64_t nkeys,
+                             int64_t block_size, int64_t num_kv_heads, int64_t kv0, int64_t head_dim,
+                             const uint16_t *rows[4]) {
+    for (int64_t i = 0; i < 4; i++) {
+        const int64_t j = j0 + i < nkeys ? j0 + i : nkeys - 1;
+        const int64_t slot = (int64_t)table[j / block_size] * block_size + j % block_size;
+        rows[i] = cache + (slot * num_kv_heads + kv0) * head_dim;
+    }
+}
+
 /* QK^T of one decode work item over a bf16 cache: scores[r * max_keys + j] for its rows query
    heads (qs, scaled) and keys 0..nkeys-1, four keys and two heads at a time. */
 static void decode_scores_bf16(const float *qs, const uint16_t *k_cache, const int32_t *table, int64_t nkeys,
@@ -306,12 +318,8 @@ static void decode_scores_bf16(const float *qs, const uint16_t *k_cache, const i
                                int64_t G, int64_t head_dim, float *scores, int64_t max_keys) {
 #if defined(__AVX2__) && defined(__FMA__)
     for (int64_t j0 = 0; j0 < nkeys; j0 += 4) {
-        const uint16_t *rows[4];  /* a short block repeats its last key; those scores are dropped */
-        for (int64_t i = 0; i < 4; i++) {
-            const int64_t j = j0 + i < nkeys ? j0 + i : nkeys - 1;
-            const int64_t slot = (int64_t)table[j / block_size] * block_size + j % block_size;
-            rows[i] = k_cache + (slot * num_kv_heads + kv0) * head_dim;
-        }
+        const uint16_t *rows[4];  /* scores of a short block's repeated last key are dropped */
+        four_rows(k_cache, table, j0, nkeys, block_size, num_kv_heads, kv0, head_dim, rows);
         const int64_t nk = nkeys - j0 < 4 ? nkeys - j0 : 4;
         for (int64_t h = 0; h < kv_per_item; h++) {
             const int64_t koff = h * head_dim;
@@ -340,13 +348,9 @@ static void decode_values_bf16(const float *scores, const uint16_t *v_cache, con
                                int64_t G, int64_t head_dim, float *acc, int64_t max_keys) {
 #if defined(__AVX2__) && defined(__FMA__)
     for (int64_t j0 = 0; j0 < nkeys; j0 += 4) {
-        const uint16_t *rows[4];
+        const uint16_t *rows[4];  /* a short block's repeated last row gets weight 0 */
         const int64_t nk = nkeys - j0 < 4 ? nkeys - j0 : 4;
-        for (int64_t i = 0; i < 4; i++) {  /* a short block repeats its last row with weight 0 */
-            const int64_t j = j0 + i < nkeys ? j0 + i : nkeys - 1;
-            const int64_t slot = (int64_t)table[j / block_size] * block_size + j % block_size;
-            rows[i] = v_cache + (slot * num_kv_heads + kv0) * head_dim;
-        }
+        four_rows(v_cache, table, j0, nkeys, block_size, num_kv_heads, kv0, head_dim, rows);
         for (int64_t h = 0; h < kv_per_item; h++) {
             const int64_t voff = h * head_dim;
             for (int64_t d = 0; d < head_dim; d += 8) {
