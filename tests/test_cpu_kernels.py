@@ -76,6 +76,20 @@ def test_decode_kernel_splits_kv_heads_for_few_sequences():
                                naive_paged_attention(b), atol=1e-5, rtol=0)
 
 
+@needs_kernel
+@pytest.mark.parametrize("name", ["gqa2_mixed", "gqa3_block6_d24", "qwen3_shape_multi_tile"])
+def test_decode_kernel_bf16_io_is_the_float32_result_rounded(name):
+    # bf16 q/out are read and written inside the kernel: bit for bit the float32 call's output
+    # rounded to bf16 (what the conversions around the call used to do).
+    seqs, heads, kv_heads, head_dim, block_size = CASES[name]
+    b = make_paged_batch([(1, ctx) for _, ctx in seqs], heads, kv_heads, head_dim, block_size, dtype=torch.bfloat16)
+    plan = ca.decode_plan(b["block_tables"], b["context_lens"])
+    as_float = ca.paged_attention_decode_cpu(LIB, b["q"].float(), b["k_cache"], b["v_cache"], plan, b["scale"])
+    got = decode_cpu(b)
+    assert as_float.dtype == torch.float32 and got.dtype == torch.bfloat16
+    assert torch.equal(got, as_float.to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_varlen_long_queries_run_sdpa_per_sequence(dtype):
     # Past VARLEN_MAX_Q query tokens: SDPA per sequence, is_causal without a prefix or after a short
@@ -175,9 +189,23 @@ def test_qk_norm_rope_kernel_matches_modules(tokens):
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows, n", [(1, 3072), (16, 100), (300, 256)])
+def test_silu_and_mul_kernel_matches_module(rows, n):
+    # n = 100: an AVX2 tail; 300 x 256: the threaded path. Values from -100 to 100 cover e^-g's clamp.
+    g = torch.Generator().manual_seed(rows)
+    x = (4 * torch.randn(rows, 2 * n, generator=g)).bfloat16()
+    x[0, :4] = torch.tensor([-100.0, -89.0, 89.0, 100.0])
+    with torch.inference_mode():
+        got, ref = KERNELS.silu_and_mul(x), REFERENCE.silu_and_mul(x)
+    assert got.shape == ref.shape == (rows, n) and got.dtype == torch.bfloat16
+    assert _bf16_mismatches(got, ref) <= max(1, ref.numel() // 1000)
+
+
+@needs_kernel
 def test_small_kernels_decline_what_they_do_not_cover():
     x = torch.randn(4, 64)  # float32: the PyTorch module runs
     assert KERNELS.rms_norm(x, torch.ones(64), 1e-6) is None
+    assert KERNELS.silu_and_mul(x) is None
 
 
 # ---- store_kv -------------------------------------------------------------------------------------

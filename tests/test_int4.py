@@ -136,3 +136,28 @@ def test_w4a8_refuses_groups_that_split_its_activation_blocks():
         pack_int4(q, zeros, scales, 16, w4a8=True)
     with pytest.raises(ValueError, match="w4a16 takes"):
         Int4Kernels.w4a16(KERNELS, torch.zeros(1, 64), pack_int4(*_case(1, 16, 64, 32, 0)[:3], 32, w4a8=True))
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_gemm_kernels_take_and_give_bf16_rows_as_the_float32_call_rounded(rows):
+    # Each GEMM kernel reads bf16 x and writes bf16 y itself: bit for bit the float32 call on the
+    # widened x, its result rounded (what the torch conversions around the call did).
+    n, k, group = 70, 256, 64
+    q, zeros, scales, x, bias = _case(rows, n, k, group, rows)
+    x = x.bfloat16()
+    int8 = Int8Kernels(LIB)
+    panels = cpu_kernels.CPUKernels(LIB).pack_panels(torch.randn(n, k).bfloat16())
+    weight8 = int8.pack(*quantize_weight_int8(torch.randn(n, k), None), None)
+    kernels = {
+        "panel": lambda x, out: cpu_kernels.CPUKernels(LIB).panel_gemm(x, panels, n, bias, out),
+        "w8a16": lambda x, out: int8.w8a16(x, weight8, bias, out),
+        "w4a16": lambda x, out: KERNELS(x, pack_int4(q, zeros, scales, group), bias, out),
+        "w4a8": lambda x, out: KERNELS(x, pack_int4(q, zeros, scales, group, w4a8=True), bias, out),
+    }
+    for name, gemm in kernels.items():
+        as_float = gemm(x.float(), torch.float32)
+        got_float, got_bf16 = gemm(x, torch.float32), gemm(x, torch.bfloat16)
+        assert got_float.dtype == torch.float32 and got_bf16.dtype == torch.bfloat16, name
+        assert torch.equal(got_float, as_float), name
+        assert torch.equal(got_bf16, as_float.to(torch.bfloat16)), name

@@ -237,6 +237,13 @@ class CPUBackend(Backend):
                 return fused
         return super().rms_norm(x, weight, eps, residual)
 
+    def silu_and_mul(self, x):
+        if self.kernels is not None:
+            fused = self.kernels.silu_and_mul(x)
+            if fused is not None:
+                return fused
+        return super().silu_and_mul(x)
+
     def qk_norm_rope(self, positions, q, k, cos_sin, q_weight, k_weight, eps):
         if self.kernels is not None:
             fused = self.kernels.qk_norm_rope(positions, q, k, cos_sin, q_weight, k_weight, eps)

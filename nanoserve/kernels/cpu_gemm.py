@@ -65,9 +65,9 @@ class PanelGemm:
         self.bias = bias.detach().float().contiguous() if bias is not None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)  # [rows, in]: exact for bf16 activations
-        y = self.kernels.panel_gemm(x2, self.panels, self.out_features, self.bias)
-        return y.view(*x.shape[:-1], y.shape[-1]).to(self.out_dtype or x.dtype)
+        out_dtype = self.out_dtype or x.dtype
+        y = self.kernels.panel_gemm(x.reshape(-1, x.shape[-1]), self.panels, self.out_features, self.bias, out_dtype)
+        return y.view(*x.shape[:-1], y.shape[-1]).to(out_dtype)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (each in [0, out_features)) of the packed weight, [*ids.shape, in] bf16, bit for
@@ -121,12 +121,15 @@ class Int8Gemm:
         self.bias = bias.detach().float().contiguous() if bias is not None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)  # [rows, in]
+        out_dtype = self.out_dtype or x.dtype
+        x2 = x.reshape(-1, x.shape[-1])  # [rows, in]
         if self.perm is not None:
             x2 = x2.index_select(1, self.perm)  # groups contiguous, as the weight was packed
-        w8a8 = self.w8a8_min_rows is not None and x2.shape[0] >= self.w8a8_min_rows
-        y = (self.kernels.w8a8 if w8a8 else self.kernels.w8a16)(x2, self.weight, self.bias)
-        return y.view(*x.shape[:-1], y.shape[-1]).to(self.out_dtype or x.dtype)
+        if self.w8a8_min_rows is not None and x2.shape[0] >= self.w8a8_min_rows:
+            y = self.kernels.w8a8(x2.to(torch.float32), self.weight, self.bias)
+        else:
+            y = self.kernels.w8a16(x2, self.weight, self.bias, out_dtype)
+        return y.view(*x.shape[:-1], y.shape[-1]).to(out_dtype)
 
 
 class Int4Gemm:
@@ -140,8 +143,9 @@ class Int4Gemm:
         self.bias = bias.detach().float().contiguous() if bias is not None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)  # [rows, in]
+        out_dtype = self.out_dtype or x.dtype
+        x2 = x.reshape(-1, x.shape[-1])  # [rows, in]
         if self.perm is not None:
             x2 = x2.index_select(1, self.perm)  # groups contiguous, as the weight was packed
-        y = self.kernels(x2, self.weight, self.bias)
-        return y.view(*x.shape[:-1], y.shape[-1]).to(self.out_dtype or x.dtype)
+        y = self.kernels(x2, self.weight, self.bias, out_dtype)
+        return y.view(*x.shape[:-1], y.shape[-1]).to(out_dtype)

@@ -30,6 +30,10 @@
 #include <immintrin.h>
 #endif
 
+/* in cpu_kernels.c: bf16 activations in and out around the float32 kernels (IO_* flags) */
+int bf16_io_begin(const void *x, void *y, int64_t M, int64_t K, int64_t N, int flags, const float **xf, float **yf);
+void bf16_io_end(const void *x, void *y, int64_t M, int64_t N, int flags, const float *xf, float *yf);
+
 #define I8_PANEL 16
 #ifndef I8_ROW_BLOCK
 #define I8_ROW_BLOCK 256 /* rows of x per pass over the weights, as in the bf16 panel GEMM */
@@ -277,7 +281,7 @@ static inline __attribute__((always_inline)) void w8a8_tile(const int mb, const 
 #endif
 
 /* y[M, N] = x[M, K] . dequant(w)^T (+ bias), x and y float32. Returns 1 without AVX2/FMA. */
-int int8_gemm_w8a16(const float *x, int64_t M, int64_t K, const int8_t *panels, int64_t Kp, const float *scales,
+static int int8_gemm_w8a16_f32(const float *x, int64_t M, int64_t K, const int8_t *panels, int64_t Kp, const float *scales,
                     int64_t group, int64_t N, const float *bias, float *y, int num_threads) {
 #if defined(__AVX2__) && defined(__FMA__)
     const int64_t Np = (N + I8_PANEL - 1) / I8_PANEL * I8_PANEL, panel_bytes = Kp * I8_PANEL;
@@ -329,6 +333,17 @@ int int8_gemm_w8a16(const float *x, int64_t M, int64_t K, const int8_t *panels, 
     (void)num_threads;
     return 1;
 #endif
+}
+
+/* int8_gemm_w8a16 on float32 or bf16 x and y (io: IO_* flags); 2 without memory for bf16 io. */
+int int8_gemm_w8a16(const void *x, int64_t M, int64_t K, const int8_t *panels, int64_t Kp, const float *scales,
+                    int64_t group, int64_t N, const float *bias, void *y, int io, int num_threads) {
+    const float *xf;
+    float *yf;
+    if (bf16_io_begin(x, y, M, K, N, io, &xf, &yf)) return 2;
+    const int rc = int8_gemm_w8a16_f32(xf, M, K, panels, Kp, scales, group, N, bias, yf, num_threads);
+    bf16_io_end(x, y, M, N, io, xf, yf);
+    return rc;
 }
 
 /* y[M, N] = xs[m] * (xq[M, Kp] . w^T, scaled per group) (+ bias). xq from quantize_rows_int8.
@@ -438,7 +453,7 @@ static inline __attribute__((always_inline)) void w4a16_tile(const int mb, const
 /* y[M, N] = x[M, K] . ((q - z) * s)^T (+ bias), x and y float32; panels as above, scales and
    offsets (-z * s) [ceil(K / group)][ceil(N / 16) * 16] float32. Returns 1 without AVX2/FMA, 2 if
    the per-group sums of x cannot be allocated. */
-int int4_gemm_w4a16(const float *x, int64_t M, int64_t K, const int8_t *panels, const float *scales,
+static int int4_gemm_w4a16_f32(const float *x, int64_t M, int64_t K, const int8_t *panels, const float *scales,
                     const float *offsets, int64_t group, int64_t N, const float *bias, float *y, int num_threads) {
 #if defined(__AVX2__) && defined(__FMA__)
     const int64_t G = (K + group - 1) / group;
@@ -463,6 +478,17 @@ int int4_gemm_w4a16(const float *x, int64_t M, int64_t K, const int8_t *panels, 
 #endif
 }
 
+/* int4_gemm_w4a16 on float32 or bf16 x and y (io: IO_* flags). */
+int int4_gemm_w4a16(const void *x, int64_t M, int64_t K, const int8_t *panels, const float *scales,
+                    const float *offsets, int64_t group, int64_t N, const float *bias, void *y, int io, int num_threads) {
+    const float *xf;
+    float *yf;
+    if (bf16_io_begin(x, y, M, K, N, io, &xf, &yf)) return 2;
+    const int rc = int4_gemm_w4a16_f32(xf, M, K, panels, scales, offsets, group, N, bias, yf, num_threads);
+    bf16_io_end(x, y, M, N, io, xf, yf);
+    return rc;
+}
+
 /* ------------------------------------------------------------------------------------------ */
 /* W4A8: the same 4-bit weights against activations quantized to int8 per block of 32 inputs     */
 /* (llama.cpp's Q8_0 blocks: an outlier channel coarsens only its own block), multiplied with     */
@@ -478,6 +504,9 @@ int int4_gemm_w4a16(const float *x, int64_t M, int64_t K, const int8_t *panels, 
 /* (pack_int4 in cpu_int8.py writes this layout.)                                                  */
 
 #define W4_BLOCK 32 /* inputs per activation scale; groups are whole blocks (or one group spans K) */
+/* Bytes ahead of the panel read that each step prefetches, one cache line a step (the rate it
+   reads them). At one row Zen 1's hardware prefetcher left the kernel at ~12 of 26 GB/s: ~8% faster. */
+#define W4_PREFETCH 1024
 #define W4_ROWS 4   /* rows per tile: 8 int16 accumulators + the weights fit the 16 ymm registers */
 #define W4_OUTLIER 4.0 /* x is an outlier above 4x its block's mean |x|: ~3.2 sigma for Gaussian values */
 #define W4_MAX_OUTLIERS 8 /* per block: k outliers hold > k * 4 / 32 of the block's sum of |x|, so k < 8 */
@@ -557,6 +586,7 @@ static inline __attribute__((always_inline)) void w4a8_tile(const int mb, const 
         const uint8_t *w = panel + b * W4_BLOCK * (I8_PANEL / 2);
         const int8_t *xb = xq + m0 * Kp + b * W4_BLOCK;
         for (int s = 0; s < W4_BLOCK / 8; s++, w += 64, xb += 8) {
+            _mm_prefetch((const char *)w + W4_PREFETCH, _MM_HINT_T0);
             /* low nibbles (inputs 0-3 of the step) for every row, then high ones (4-7): few live registers */
             __m256i wa = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)w), nibble);
             __m256i wb = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(w + 32)), nibble);
@@ -621,7 +651,7 @@ static inline __attribute__((always_inline)) void w4a8_tile(const int mb, const 
    buffers from Python were ten times that), then the W4A8 panels; scales and offsets as for W4A16.
    group: a multiple of 32, or >= K (one group). Returns 1 without AVX2/FMA, 2 if the quantized
    activations cannot be allocated. */
-int int4_gemm_w4a8(const float *x, int64_t M, int64_t K, const int8_t *panels, const float *scales,
+static int int4_gemm_w4a8_f32(const float *x, int64_t M, int64_t K, const int8_t *panels, const float *scales,
                    const float *offsets, int64_t group, int64_t N, const float *bias, float *y, int num_threads) {
 #if defined(__AVX2__) && defined(__FMA__)
     const int64_t Kp = (K + W4_BLOCK - 1) / W4_BLOCK * W4_BLOCK, B = Kp / W4_BLOCK, E = B * W4_MAX_OUTLIERS;
@@ -645,6 +675,17 @@ done:
     (void)num_threads;
     return 1;
 #endif
+}
+
+/* int4_gemm_w4a8 on float32 or bf16 x and y (io: IO_* flags). */
+int int4_gemm_w4a8(const void *x, int64_t M, int64_t K, const int8_t *panels, const float *scales,
+                   const float *offsets, int64_t group, int64_t N, const float *bias, void *y, int io, int num_threads) {
+    const float *xf;
+    float *yf;
+    if (bf16_io_begin(x, y, M, K, N, io, &xf, &yf)) return 2;
+    const int rc = int4_gemm_w4a8_f32(xf, M, K, panels, scales, offsets, group, N, bias, yf, num_threads);
+    bf16_io_end(x, y, M, N, io, xf, yf);
+    return rc;
 }
 
 /* ------------------------------------------------------------------------------------------ */

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nanoserve.kernels.cpu_kernels import gemm_operands
 from nanoserve.kernels.trace import traced
 
 QMAX = 127  # symmetric: -128 is never produced, so |q| * |q| products and their negation are exact
@@ -151,15 +152,17 @@ class Int8Kernels:
         self.lib.quantize_rows_int8(x.data_ptr(), m, k, padded_in, q.data_ptr(), s.data_ptr(), torch.get_num_threads())
         return q, s
 
-    def w8a16(self, x: torch.Tensor, w: PackedInt8, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [M, K] float32 -> [M, N] float32 (bias float32)."""
-        x = x.contiguous()
-        y = torch.empty(x.shape[0], w.out_features, dtype=torch.float32)
+    def w8a16(self, x: torch.Tensor, w: PackedInt8, bias: torch.Tensor | None = None,
+              out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """x [M, K] bf16 or float32 -> [M, N] (bf16 if out_dtype is, else float32; bias float32)."""
+        x, y, io = gemm_operands(x, w.out_features, out_dtype)
         with traced("nanoserve::cpu_int8_w8a16"):
-            self.lib.int8_gemm_w8a16(x.data_ptr(), x.shape[0], w.in_features, w.panels.data_ptr(), w.padded_in,
-                                     w.scales.data_ptr(), self._group(w), w.out_features,
-                                     bias.data_ptr() if bias is not None else None, y.data_ptr(),
-                                     torch.get_num_threads())
+            rc = self.lib.int8_gemm_w8a16(x.data_ptr(), x.shape[0], w.in_features, w.panels.data_ptr(), w.padded_in,
+                                          w.scales.data_ptr(), self._group(w), w.out_features,
+                                          bias.data_ptr() if bias is not None else None, y.data_ptr(), io,
+                                          torch.get_num_threads())
+        if rc == 2:
+            raise MemoryError("int8_gemm_w8a16: no memory for the float32 copies of bf16 activations")
         return y
 
     def w8a8(self, x: torch.Tensor, w: PackedInt8, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -307,9 +310,10 @@ class Int4Kernels:
             raise ValueError("the int4 GEMM needs the CPU kernels built with AVX2 and FMA")
         self.lib = lib
 
-    def __call__(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None = None,
+                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The kernel `w` was packed for."""
-        return (self.w4a8 if w.w4a8 else self.w4a16)(x, w, bias)
+        return (self.w4a8 if w.w4a8 else self.w4a16)(x, w, bias, out_dtype)
 
     def quantize_blocks(self, x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, ...]:
         """x [M, K] float32 -> (qx [M, Kp] int8, xs [M, Kp / 32], xg [M, groups] float32, and the outliers:
@@ -329,31 +333,32 @@ class Int4Kernels:
                                       count.data_ptr(), inputs.data_ptr(), values.data_ptr(), torch.get_num_threads())
         return qx, xs, xg, count, inputs, values
 
-    def w4a8(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [M, K] float32, quantized per block of 32 inputs in the kernel -> [M, N] float32 (bias float32)."""
+    def w4a8(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None = None,
+             out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """x [M, K] bf16 or float32, quantized per block of 32 inputs in the kernel -> [M, N] (bf16 if
+        out_dtype is, else float32; bias float32)."""
         if not w.w4a8:
             raise ValueError("w4a8 takes a weight packed with pack_int4(..., w4a8=True)")
-        x = x.contiguous()
-        y = torch.empty(x.shape[0], w.out_features, dtype=torch.float32)
+        x, y, io = gemm_operands(x, w.out_features, out_dtype)
         with traced("nanoserve::cpu_int4_w4a8"):
             rc = self.lib.int4_gemm_w4a8(x.data_ptr(), x.shape[0], w.in_features, w.panels.data_ptr(),
                                          w.scales.data_ptr(), w.offsets.data_ptr(), w.group_size, w.out_features,
-                                         bias.data_ptr() if bias is not None else None, y.data_ptr(),
+                                         bias.data_ptr() if bias is not None else None, y.data_ptr(), io,
                                          torch.get_num_threads())
         if rc != 0:
             raise MemoryError(f"int4_gemm_w4a8 failed ({rc}): no memory for the quantized activations")
         return y
 
-    def w4a16(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [M, K] float32 -> [M, N] float32 (bias float32)."""
+    def w4a16(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None = None,
+             out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """x [M, K] bf16 or float32 -> [M, N] (bf16 if out_dtype is, else float32; bias float32)."""
         if w.w4a8:
             raise ValueError("w4a16 takes a weight packed with pack_int4(..., w4a8=False)")
-        x = x.contiguous()
-        y = torch.empty(x.shape[0], w.out_features, dtype=torch.float32)
+        x, y, io = gemm_operands(x, w.out_features, out_dtype)
         with traced("nanoserve::cpu_int4_w4a16"):
             rc = self.lib.int4_gemm_w4a16(x.data_ptr(), x.shape[0], w.in_features, w.panels.data_ptr(),
                                           w.scales.data_ptr(), w.offsets.data_ptr(), w.group_size, w.out_features,
-                                          bias.data_ptr() if bias is not None else None, y.data_ptr(),
+                                          bias.data_ptr() if bias is not None else None, y.data_ptr(), io,
                                           torch.get_num_threads())
         if rc != 0:
             raise MemoryError(f"int4_gemm_w4a16 failed ({rc}): no memory for the per-group sums of x")

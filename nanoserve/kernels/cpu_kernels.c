@@ -26,6 +26,23 @@
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
 
+/* ------------------------------------------------------------------------------------------ */
+/* bf16 helpers: round-to-nearest-even like torch's float -> bfloat16 conversion.            */
+
+static inline float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)h << 16;
+    return v.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    const uint32_t rounded = (v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16;
+    const uint32_t nan = (v.u >> 16) | 0x40u; /* quiet NaN, sign and payload top bits kept */
+    return (uint16_t)(((v.u & 0x7fffffffu) > 0x7f800000u) ? nan : rounded);
+}
+
 static inline void widen_row(const void *base, int64_t index, int64_t n, int dtype, float *restrict dst) {
     if (dtype == DTYPE_BF16) {
         const uint16_t *src = (const uint16_t *)base + index;
@@ -382,8 +399,8 @@ static void decode_values_bf16(const float *scores, const uint16_t *v_cache, con
    widening each row into a scratch and ending every (key, head) dot product in a horizontal sum
    (Zen 1, Qwen3-0.6B heads, 128-2048 keys, 1-16 sequences). Returns 0 on success, 1 if scratch memory could not be allocated. */
 int paged_decode_f32(
-    const float *q,              /* [num_seqs, num_heads, head_dim] */
-    float *out,                  /* [num_seqs, num_heads, head_dim] */
+    const void *q,               /* [num_seqs, num_heads, head_dim] float32, or bf16 with io_bf16 */
+    void *out,                   /* [num_seqs, num_heads, head_dim] as q */
     const void *k_cache,         /* [num_blocks, block_size, num_kv_heads, head_dim] */
     const void *v_cache,
     int cache_dtype,
@@ -394,7 +411,9 @@ int paged_decode_f32(
     int64_t max_keys,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
     int64_t kv_per_item,         /* divides num_kv_heads */
-    float scale, int num_threads)
+    float scale,
+    int io_bf16,                 /* q and out are bf16 (the model's dtype), not float32: no conversions around the call */
+    int num_threads)
 {
     const int64_t G = num_heads / num_kv_heads;
     const int64_t rows = kv_per_item * G;      /* query heads per work item */
@@ -426,8 +445,9 @@ int paged_decode_f32(
                 const int32_t *table = block_tables + seq * bt_stride;
                 const int64_t nkeys = context_lens[seq];
                 const int64_t kv0 = grp * kv_per_item;  /* first KV head; query heads kv0*G .. */
-                const float *qsrc = q + (seq * num_heads + kv0 * G) * head_dim;
-                for (int64_t x = 0; x < rows * head_dim; x++) qs[x] = qsrc[x] * scale;
+                const int64_t q0 = (seq * num_heads + kv0 * G) * head_dim;
+                for (int64_t x = 0; x < rows * head_dim; x++)
+                    qs[x] = (io_bf16 ? bf16_to_f32(((const uint16_t *)q)[q0 + x]) : ((const float *)q)[q0 + x]) * scale;
 
                 if (bf16_in_registers) {
                     decode_scores_bf16(qs, (const uint16_t *)k_cache, table, nkeys, block_size, num_kv_heads, kv0,
@@ -475,10 +495,15 @@ int paged_decode_f32(
                         for (int64_t d = 0; d < head_dim; d++) a[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d];
                     }
                 }
-                float *o = out + (seq * num_heads + kv0 * G) * head_dim;
                 for (int64_t r = 0; r < rows; r++) {
+                    if (io_bf16) {
+                        uint16_t *o = (uint16_t *)out + q0 + r * head_dim;
+                        for (int64_t d = 0; d < head_dim; d++) o[d] = f32_to_bf16(acc[r * head_dim + d] * inv_sum[r]);
+                    } else {
+                        float *o = (float *)out + q0 + r * head_dim;
 #pragma omp simd
-                    for (int64_t d = 0; d < head_dim; d++) o[r * head_dim + d] = acc[r * head_dim + d] * inv_sum[r];
+                        for (int64_t d = 0; d < head_dim; d++) o[d] = acc[r * head_dim + d] * inv_sum[r];
+                    }
                 }
             }
         }
@@ -492,21 +517,44 @@ int paged_decode_f32(
 }
 
 
-/* ------------------------------------------------------------------------------------------ */
-/* bf16 helpers: round-to-nearest-even like torch's float -> bfloat16 conversion.            */
-
-static inline float bf16_to_f32(uint16_t h) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)h << 16;
-    return v.f;
+#if defined(__AVX2__) && defined(__FMA__)
+/* f32_to_bf16 on 8 lanes: the bf16 bits in the low half of each 32-bit lane */
+static inline __m256i bf16_bits8(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i nan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    return _mm256_blendv_epi8(rounded, nan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
 }
+#endif
 
-static inline uint16_t f32_to_bf16(float f) {
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    const uint32_t rounded = (v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16;
-    const uint32_t nan = (v.u >> 16) | 0x40u; /* quiet NaN, sign and payload top bits kept */
-    return (uint16_t)(((v.u & 0x7fffffffu) > 0x7f800000u) ? nan : rounded);
+/* out[i, d] = bf16(bf16(silu(gate)) * up) with x[i] = [gate | up] (dim 2n), for bf16: what
+   F.silu(gate) * up does in bf16, as one call (at one decode row the two torch ops cost ~10x the
+   math). silu(g) = g / (1 + e^-g) in float32; exp256_ps is within 2 ulp of expf, so a result can
+   differ from torch's by one bf16 step where it lies on a rounding boundary. */
+void silu_mul_bf16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t n, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * n > 32768)
+    for (int64_t i = 0; i < rows; i++) {
+        const uint16_t *gate = x + i * 2 * n, *up = gate + n;
+        uint16_t *o = out + i * n;
+        int64_t d = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        for (; d + 8 <= n; d += 8) {
+            const __m256 g = widen_bf16x8(gate + d);
+            /* e^-g; past float32's range it is +inf as in torch (g / inf = 0), the clamp keeps exp256_ps there */
+            const __m256 e = exp256_ps(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), g), _mm256_set1_ps(89.0f)));
+            const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            const __m256 rounded = _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(silu), 16));
+            const __m256i bits = bf16_bits8(_mm256_mul_ps(rounded, widen_bf16x8(up + d)));
+            const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0x08);
+            _mm_storeu_si128((__m128i *)(o + d), _mm256_castsi256_si128(packed));
+        }
+#endif
+        for (; d < n; d++) {
+            const float g = bf16_to_f32(gate[d]);
+            o[d] = f32_to_bf16(bf16_to_f32(f32_to_bf16(g / (1.0f + expf(-g)))) * bf16_to_f32(up[d]));
+        }
+    }
 }
 
 /* out = bf16(weight * bf16(r * rsqrt(mean(r^2) + eps))), r = x, or with residual:
@@ -616,7 +664,47 @@ int panel_gemm_supported(void) {
 #endif
 }
 
+/* bf16 activations around the float32 GEMMs: flags & IO_X_BF16, x [M, K] is bf16 (widened here
+   into a float32 copy, exact); flags & IO_Y_BF16, y [M, N] is bf16 (the kernel writes a float32
+   copy, rounded into y as torch's .to() rounds). At a few rows the two torch conversions around a
+   call cost more than the GEMM's own overhead; here they are one pass each. Returns 1 without memory. */
+enum { IO_X_BF16 = 1, IO_Y_BF16 = 2 };
+
+int bf16_io_begin(const void *x, void *y, int64_t M, int64_t K, int64_t N, int flags, const float **xf, float **yf) {
+    *xf = (const float *)x, *yf = (float *)y;
+    float *xw = NULL, *yw = NULL;
+    if (flags & IO_X_BF16) xw = malloc(sizeof(float) * (size_t)(M * K));
+    if (flags & IO_Y_BF16) yw = malloc(sizeof(float) * (size_t)(M * N));
+    if (((flags & IO_X_BF16) && xw == NULL) || ((flags & IO_Y_BF16) && yw == NULL)) {
+        free(xw), free(yw);
+        return 1;
+    }
+    if (xw != NULL) {
+        const uint16_t *xb = (const uint16_t *)x;
+#pragma omp parallel for simd schedule(static) if (M * K > (1 << 18))
+        for (int64_t i = 0; i < M * K; i++) xw[i] = bf16_to_f32(xb[i]);
+        *xf = xw;
+    }
+    if (yw != NULL) *yf = yw;
+    return 0;
+}
+
+void bf16_io_end(const void *x, void *y, int64_t M, int64_t N, int flags, const float *xf, float *yf) {
+    if (flags & IO_Y_BF16) {
+        uint16_t *yb = (uint16_t *)y;
+#pragma omp parallel for simd schedule(static) if (M * N > (1 << 18))
+        for (int64_t i = 0; i < M * N; i++) yb[i] = f32_to_bf16(yf[i]);
+        free(yf);
+    }
+    if (flags & IO_X_BF16) free((void *)xf);
+    (void)x;
+}
+
 #define PANEL 16
+/* Bytes ahead that the panel tile prefetches, a cache line every other k (the rate it reads them).
+   At 1-3 rows the hardware prefetcher left the weights' stream at ~23 of ~30 GB/s on Zen 1: the
+   prefetch makes those GEMMs 1.2x faster (4 rows 1.1x, 6 rows and up unchanged). */
+#define PANEL_PREFETCH 1024
 #ifndef ROW_BLOCK
 #define ROW_BLOCK 256 /* rows of x per pass over the weights (measured best of 48-512 on 2 Zen 3 cores) */
 #endif
@@ -664,6 +752,7 @@ static inline __attribute__((always_inline)) void panel_tile(const int mb, const
     const float *x0 = x + m0 * K, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K, *x4 = x3 + K, *x5 = x4 + K;
     const __m256i hi_half = _mm256_set1_epi32((int)0xffff0000);
     for (int64_t k = 0; k < K; k++) {
+        if ((k & 1) == 0) _mm_prefetch((const char *)(panel + k * PANEL) + PANEL_PREFETCH, _MM_HINT_T0);
         const __m256i v = _mm256_loadu_si256((const __m256i *)(panel + k * PANEL));
         const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));       /* columns 0-7 */
         const __m256 w1 = _mm256_castsi256_ps(_mm256_and_si256(v, hi_half));   /* columns 8-15 */
@@ -685,9 +774,8 @@ static inline __attribute__((always_inline)) void panel_tile(const int mb, const
 }
 #endif
 
-/* Returns 0 on success, 1 if this build has no AVX2/FMA. */
-int panel_gemm_bf16(const float *x, int64_t M, int64_t K, const uint16_t *panels, int64_t N, const float *bias,
-                    float *y, int num_threads) {
+static int panel_gemm_f32(const float *x, int64_t M, int64_t K, const uint16_t *panels, int64_t N, const float *bias,
+                          float *y, int num_threads) {
 #if defined(__AVX2__) && defined(__FMA__)
     const int64_t num_panels = (N + PANEL - 1) / PANEL;
     /* Blocks of ROW_BLOCK rows of x (they stay in L2) outermost, then panels: one panel (K * 32
@@ -715,4 +803,16 @@ int panel_gemm_bf16(const float *x, int64_t M, int64_t K, const uint16_t *panels
     (void)x; (void)M; (void)K; (void)panels; (void)N; (void)bias; (void)y; (void)num_threads;
     return 1;
 #endif
+}
+
+/* y [M, N] = x [M, K] . W^T (+ bias), W packed bf16 panels; x and y float32 or bf16 (io: IO_* flags).
+   Returns 0 on success, 1 if this build has no AVX2/FMA, 2 without memory for bf16 io. */
+int panel_gemm_bf16(const void *x, int64_t M, int64_t K, const uint16_t *panels, int64_t N, const float *bias,
+                    void *y, int io, int num_threads) {
+    const float *xf;
+    float *yf;
+    if (bf16_io_begin(x, y, M, K, N, io, &xf, &yf)) return 2;
+    const int rc = panel_gemm_f32(xf, M, K, panels, N, bias, yf, num_threads);
+    bf16_io_end(x, y, M, N, io, xf, yf);
+    return rc;
 }

@@ -34,22 +34,23 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fP
 _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
     "paged_attention_f32": [_P] * 4 + [_I32, _P, _I64] + [_P] * 4 + [_I64] * 7 + [_F, _I32],
-    "paged_decode_f32": [_P] * 4 + [_I32, _P, _I64, _P] + [_I64] * 7 + [_F, _I32],
+    "paged_decode_f32": [_P] * 4 + [_I32, _P, _I64, _P] + [_I64] * 7 + [_F, _I32, _I32],
     "rms_norm_bf16": [_P] * 5 + [_I64, _I64, _F, _I32],
+    "silu_mul_bf16": [_P, _P, _I64, _I64, _I32],
     "qk_norm_rope_bf16": [_P, _P, _I64] + [_P] * 6 + [_I64] * 4 + [_F, _I32],
     "pack_bf16_panels": [_P, _I64, _I64, _P, _I32],
     "store_kv_rows": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64],
-    "panel_gemm_bf16": [_P, _I64, _I64, _P, _I64, _P, _P, _I32],
+    "panel_gemm_bf16": [_P, _I64, _I64, _P, _I64, _P, _P, _I32, _I32],
     "panel_gemm_supported": [],
     # cpu_int8.c (bound in cpu_int8.py)
     "int8_gemm_supported": [],
     "pack_int8_panels": [_P, _I64, _I64, _I64, _P, _I32],
     "quantize_rows_int8": [_P, _I64, _I64, _I64, _P, _P, _I32],
-    "int8_gemm_w8a16": [_P, _I64, _I64, _P, _I64, _P, _I64, _I64, _P, _P, _I32],
+    "int8_gemm_w8a16": [_P, _I64, _I64, _P, _I64, _P, _I64, _I64, _P, _P, _I32, _I32],
     "int8_gemm_w8a8": [_P, _P, _I64, _I64, _P, _I64, _P, _I64, _I64, _P, _P, _I32],
-    "int4_gemm_w4a16": [_P, _I64, _I64, _P, _P, _P, _I64, _I64, _P, _P, _I32],
+    "int4_gemm_w4a16": [_P, _I64, _I64, _P, _P, _P, _I64, _I64, _P, _P, _I32, _I32],
     "quantize_blocks_int8": [_P, _I64, _I64, _I64, _I64] + [_P] * 6 + [_I32],
-    "int4_gemm_w4a8": [_P, _I64, _I64, _P, _P, _P, _I64, _I64, _P, _P, _I32],
+    "int4_gemm_w4a8": [_P, _I64, _I64, _P, _P, _P, _I64, _I64, _P, _P, _I32, _I32],
     "peak_loop_fma_f32": [_I64, _I32],
     "peak_loop_madd_i16": [_I64, _I32],
     "peak_loop_maddubs_u8s8": [_I64, _I32],
@@ -128,6 +129,20 @@ def load() -> ctypes.CDLL | None:
         return _lib
 
 
+IO_X_BF16, IO_Y_BF16 = 1, 2  # the GEMM kernels' io flags: x, y bf16 rather than float32 (cpu_kernels.c)
+
+
+def gemm_operands(x: torch.Tensor, n: int, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """x [M, K] as a GEMM kernel reads it (bf16 or float32, contiguous), its result [M, n] (bf16 if
+    out_dtype is, else float32) and the io flags saying which of them are bf16: the kernel converts
+    bf16 rows itself, where two torch conversions around a few-row call cost more than its overhead."""
+    if x.dtype != torch.bfloat16:
+        x = x.to(torch.float32)
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], n, dtype=torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32)
+    return x, y, (IO_X_BF16 if x.dtype == torch.bfloat16 else 0) | (IO_Y_BF16 if y.dtype == torch.bfloat16 else 0)
+
+
 def _usable(*tensors: torch.Tensor) -> bool:
     """bf16 CPU tensors outside autograd (the kernels write raw memory). Runs ~85 times a decode
     step: a loop over `is_cpu` is 2.4x faster than a generator over `device.type`."""
@@ -164,6 +179,17 @@ class CPUKernels:
                 out.data_ptr(), x.numel() // dim, dim, eps, torch.get_num_threads(),
             )
         return out if residual is None else (out, new_residual)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up for x = [gate | up] along the last dim, bf16; None otherwise."""
+        if not _usable(x) or x.shape[-1] % 2:
+            return None
+        x = x.contiguous()
+        n = x.shape[-1] // 2
+        out = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
+        with traced("nanoserve::cpu_silu_and_mul"):
+            self.lib.silu_mul_bf16(x.data_ptr(), out.data_ptr(), x.numel() // (2 * n), n, torch.get_num_threads())
+        return out
 
     def qk_norm_rope(
         self,
@@ -221,16 +247,18 @@ class CPUKernels:
         return panels
 
     def panel_gemm(
-        self, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None
+        self, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None,
+        out_dtype: torch.dtype = torch.float32,
     ) -> torch.Tensor:
-        """x [M, K] float32 @ (the weight packed in `panels`, [n, K] bf16)^T (+ bias float32) -> [M, n] float32."""
-        x = x.contiguous()
-        rows = x.shape[0]
-        y = torch.empty(rows, n, dtype=torch.float32)
+        """x [M, K] (bf16 or float32; other dtypes are converted) @ (the weight packed in `panels`, [n, K]
+        bf16)^T (+ bias float32) -> [M, n] in out_dtype if bf16, else float32. Math in float32."""
+        x, y, io = gemm_operands(x, n, out_dtype)
         with traced("nanoserve::cpu_panel_gemm"):
-            err = self.lib.panel_gemm_bf16(x.data_ptr(), rows, x.shape[1], panels.data_ptr(), n,
-                                           bias.data_ptr() if bias is not None else None, y.data_ptr(),
+            err = self.lib.panel_gemm_bf16(x.data_ptr(), x.shape[0], x.shape[1], panels.data_ptr(), n,
+                                           bias.data_ptr() if bias is not None else None, y.data_ptr(), io,
                                            torch.get_num_threads())
+        if err == 2:
+            raise MemoryError("panel_gemm_bf16: no memory for the float32 copies of bf16 activations")
         if err:
             raise RuntimeError("panel_gemm_bf16 is not available in this build (no AVX2/FMA)")
         return y
