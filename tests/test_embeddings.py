@@ -88,6 +88,26 @@ def test_vectors_match_sentence_transformers(ckpts, kind):
         llm.close()
 
 
+def test_last_token_pooling_runs_the_last_layer_past_attention_on_pooled_rows_only(llm):
+    # Past its attention the last layer computes only the rows the pooler reads (one a completing
+    # prompt, or one when none completes); the layers before it, and its K/V, see every token.
+    layers = llm.engine.model_runner.model.model.layers
+    seen = {"first": [], "last": []}
+    hooks = [layers[0].mlp.register_forward_hook(lambda m, args, out: seen["first"].append(args[0].shape[0])),
+             layers[-1].mlp.register_forward_hook(lambda m, args, out: seen["last"].append(args[0].shape[0]))]
+    try:
+        llm.reset_prefix_cache()
+        outs = llm.embed(DOCS, use_tqdm=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    tokens = sum(len(o.prompt_token_ids) - o.num_cached_tokens for o in outs)
+    assert sum(seen["first"]) == tokens
+    assert len(seen["last"]) == len(seen["first"])  # one call a step
+    assert len(DOCS) <= sum(seen["last"]) < tokens  # one row per prompt, plus one per step completing none
+    assert sum(seen["last"]) <= len(DOCS) + len(seen["last"])
+
+
 def test_no_lm_head_is_built(llm, ckpts):
     model = llm.engine.model_runner.model
     assert not hasattr(model, "lm_head")

@@ -273,6 +273,12 @@ class ModelRunner:
         if self.model is None:
             raise RuntimeError("this LLM is closed")
         inputs = to_device(self.prepare_inputs(batch), self.device)
+        rows = self.pooler.output_rows(batch.num_new_tokens, batch.samples)
+        if rows is not None:  # last-token pooling: past attention, the last layer computes these rows alone
+            # (every row's K/V is still cached); with none completing, one row keeps the shapes non-empty
+            keep = torch.tensor(rows or [inputs.input_ids.shape[0] - 1], dtype=torch.int64, device=self.device)
+            hidden = self.forward(inputs.input_ids, inputs.positions, inputs.meta, keep)
+            return StepOutput([], None, None, pooled=hidden[: len(rows)].float().cpu())
         hidden = self.forward(inputs.input_ids, inputs.positions, inputs.meta)  # [num_tokens, hidden]
         seqs = batch.seqs
         pooled = self.pooler(hidden, [s.seq_id for s in seqs], [s.num_computed_tokens for s in seqs],
@@ -280,9 +286,15 @@ class ModelRunner:
         return StepOutput([], None, None, pooled=pooled)
 
 
-def run_model(model: torch.nn.Module, backend, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
-    """The transformer body: hidden states [num_tokens, hidden]. CUDA graphs capture this."""
-    return model(input_ids, positions, backend.prepare_metadata(meta))
+def run_model(
+    model: torch.nn.Module, backend, input_ids: torch.Tensor, positions: torch.Tensor, meta,
+    out_rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The transformer body: hidden states [num_tokens, hidden] (only rows `out_rows` if given).
+    CUDA graphs capture this."""
+    if out_rows is None:
+        return model(input_ids, positions, backend.prepare_metadata(meta))
+    return model(input_ids, positions, backend.prepare_metadata(meta), out_rows)
 
 
 def score_prompts(batch: ScheduledBatch, logits: torch.Tensor) -> list[PromptLogprobsChunk]:

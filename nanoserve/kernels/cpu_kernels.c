@@ -673,9 +673,10 @@ enum { IO_X_BF16 = 1, IO_Y_BF16 = 2 };
 int bf16_io_begin(const void *x, void *y, int64_t M, int64_t K, int64_t N, int flags, const float **xf, float **yf) {
     *xf = (const float *)x, *yf = (float *)y;
     float *xw = NULL, *yw = NULL;
-    if (flags & IO_X_BF16) xw = malloc(sizeof(float) * (size_t)(M * K));
-    if (flags & IO_Y_BF16) yw = malloc(sizeof(float) * (size_t)(M * N));
-    if (((flags & IO_X_BF16) && xw == NULL) || ((flags & IO_Y_BF16) && yw == NULL)) {
+    const int copy_x = (flags & IO_X_BF16) && M * K > 0, copy_y = (flags & IO_Y_BF16) && M * N > 0;
+    if (copy_x) xw = malloc(sizeof(float) * (size_t)(M * K));
+    if (copy_y) yw = malloc(sizeof(float) * (size_t)(M * N));
+    if ((copy_x && xw == NULL) || (copy_y && yw == NULL)) {
         free(xw), free(yw);
         return 1;
     }
@@ -690,14 +691,13 @@ int bf16_io_begin(const void *x, void *y, int64_t M, int64_t K, int64_t N, int f
 }
 
 void bf16_io_end(const void *x, void *y, int64_t M, int64_t N, int flags, const float *xf, float *yf) {
-    if (flags & IO_Y_BF16) {
+    if ((flags & IO_Y_BF16) && yf != y) {
         uint16_t *yb = (uint16_t *)y;
 #pragma omp parallel for simd schedule(static) if (M * N > (1 << 18))
         for (int64_t i = 0; i < M * N; i++) yb[i] = f32_to_bf16(yf[i]);
         free(yf);
     }
-    if (flags & IO_X_BF16) free((void *)xf);
-    (void)x;
+    if ((flags & IO_X_BF16) && xf != x) free((void *)xf);
 }
 
 #define PANEL 16

@@ -8,6 +8,7 @@ and CLS need every position's hidden state, so their engines run without prefix-
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence as Seq
 
 import torch
@@ -21,6 +22,15 @@ class Pooler:
             raise ValueError(f"pooling_type must be one of {POOLING_TYPES}, got {pooling_type!r}")
         self.pooling_type = pooling_type
         self._partial: dict[int, torch.Tensor] = {}  # seq_id -> MEAN: sum so far; CLS: the first row
+
+    def output_rows(self, num_new: Seq[int], completes: Seq[bool]) -> list[int] | None:
+        """LAST: the rows of a step's hidden states it reads, the last of each completing entry, in
+        batch order (the model computes just these past the last layer's attention); None for MEAN
+        and CLS, which read every row."""
+        if self.pooling_type != "LAST":
+            return None
+        ends = itertools.accumulate(num_new)
+        return [end - 1 for end, done in zip(ends, completes) if done]
 
     def __call__(
         self, hidden: torch.Tensor, seq_ids: Seq[int], starts: Seq[int], num_new: Seq[int], completes: Seq[bool]

@@ -42,7 +42,10 @@ class LlamaAttention(nn.Module):
         self.backend = ctx.backend
         self.attn = Attention(self.num_heads, head_dim, self.num_kv_heads, head_dim**-0.5, ctx)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, out_rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """out_rows: the rows to return (every row's K/V is still stored), None for all."""
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))  # [num_tokens, num_kv_heads, head_dim]
@@ -52,6 +55,8 @@ class LlamaAttention(nn.Module):
             q, k = self.backend.qk_norm_rope(positions, q, k, self.rotary_emb.cos_sin, self.q_norm.weight,
                                              self.k_norm.weight, self.q_norm.eps)
         out = self.attn(q, k, v, meta)  # [num_tokens, num_heads, head_dim]
+        if out_rows is not None:
+            out = out[out_rows]
         return self.o_proj(out.flatten(1))
 
 
@@ -76,13 +81,16 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps, ctx)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata,
+        out_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, meta)
+        x = self.self_attn(positions, x, meta, out_rows)
+        if out_rows is not None:
+            residual = residual[out_rows]
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -94,10 +102,16 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6), ctx)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        out_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden], or only rows `out_rows` of them: the last layer then
+        runs its o_proj and MLP on those rows alone (last-token pooling reads one row a prompt)."""
         x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(positions, x, residual, meta, out_rows if i == last else None)
         x, _ = self.norm(x, residual)
         return x
 
@@ -214,8 +228,11 @@ class LlamaForCausalLM(nn.Module):
                 return re.sub(pattern, f".{ours}.", name), shard_id
         return name, None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        out_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, meta, out_rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden)
