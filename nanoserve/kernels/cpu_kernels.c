@@ -541,7 +541,8 @@ void silu_mul_bf16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t n, in
 #if defined(__AVX2__) && defined(__FMA__)
         for (; d + 8 <= n; d += 8) {
             const __m256 g = widen_bf16x8(gate + d);
-            /* e^-g; past float32's range it is +inf as in torch (g / inf = 0), the clamp keeps exp256_ps there */
+            /* e^-g; where it overflows float32 it is +inf as in torch (g / inf = 0; exp256_ps gets there
+               from -g ~ 88.4, expf from 88.7: a silu of ~-3e-37 becomes -0), the clamp keeps it there */
             const __m256 e = exp256_ps(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), g), _mm256_set1_ps(89.0f)));
             const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
             const __m256 rounded = _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(silu), 16));
@@ -670,7 +671,8 @@ int panel_gemm_supported(void) {
    call cost more than the GEMM's own overhead; here they are one pass each. Returns 1 without memory. */
 enum { IO_X_BF16 = 1, IO_Y_BF16 = 2 };
 
-int bf16_io_begin(const void *x, void *y, int64_t M, int64_t K, int64_t N, int flags, const float **xf, float **yf) {
+int bf16_io_begin(const void *x, void *y, int64_t M, int64_t K, int64_t N, int flags, const float **xf, float **yf,
+                  int num_threads) {
     *xf = (const float *)x, *yf = (float *)y;
     float *xw = NULL, *yw = NULL;
     const int copy_x = (flags & IO_X_BF16) && M * K > 0, copy_y = (flags & IO_Y_BF16) && M * N > 0;
@@ -682,7 +684,7 @@ int bf16_io_begin(const void *x, void *y, int64_t M, int64_t K, int64_t N, int f
     }
     if (xw != NULL) {
         const uint16_t *xb = (const uint16_t *)x;
-#pragma omp parallel for simd schedule(static) if (M * K > (1 << 18))
+#pragma omp parallel for simd schedule(static) num_threads(num_threads) if (M * K > (1 << 18))
         for (int64_t i = 0; i < M * K; i++) xw[i] = bf16_to_f32(xb[i]);
         *xf = xw;
     }
@@ -690,10 +692,11 @@ int bf16_io_begin(const void *x, void *y, int64_t M, int64_t K, int64_t N, int f
     return 0;
 }
 
-void bf16_io_end(const void *x, void *y, int64_t M, int64_t N, int flags, const float *xf, float *yf) {
+void bf16_io_end(const void *x, void *y, int64_t M, int64_t N, int flags, const float *xf, float *yf,
+                 int num_threads) {
     if ((flags & IO_Y_BF16) && yf != y) {
         uint16_t *yb = (uint16_t *)y;
-#pragma omp parallel for simd schedule(static) if (M * N > (1 << 18))
+#pragma omp parallel for simd schedule(static) num_threads(num_threads) if (M * N > (1 << 18))
         for (int64_t i = 0; i < M * N; i++) yb[i] = f32_to_bf16(yf[i]);
         free(yf);
     }
@@ -811,8 +814,8 @@ int panel_gemm_bf16(const void *x, int64_t M, int64_t K, const uint16_t *panels,
                     void *y, int io, int num_threads) {
     const float *xf;
     float *yf;
-    if (bf16_io_begin(x, y, M, K, N, io, &xf, &yf)) return 2;
+    if (bf16_io_begin(x, y, M, K, N, io, &xf, &yf, num_threads)) return 2;
     const int rc = panel_gemm_f32(xf, M, K, panels, N, bias, yf, num_threads);
-    bf16_io_end(x, y, M, N, io, xf, yf);
+    bf16_io_end(x, y, M, N, io, xf, yf, num_threads);
     return rc;
 }

@@ -182,7 +182,7 @@ class CPUKernels:
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up for x = [gate | up] along the last dim, bf16; None otherwise."""
-        if not _usable(x) or x.shape[-1] % 2:
+        if not _usable(x) or x.shape[-1] % 2 or x.shape[-1] == 0:
             return None
         x = x.contiguous()
         n = x.shape[-1] // 2
