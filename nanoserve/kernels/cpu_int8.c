@@ -36,6 +36,18 @@ int bf16_io_begin(const void *x, void *y, int64_t M, int64_t K, int64_t N, int f
 void bf16_io_end(const void *x, void *y, int64_t M, int64_t N, int flags, const float *xf, float *yf,
                  int num_threads);
 
+/* The body of an exported GEMM entry: KERNEL (float32 x and y) on the entry's x and y, float32 or
+   bf16 (io: IO_* flags). Returns KERNEL's code, 2 without memory for the float32 copies. */
+#define BF16_IO_ENTRY(KERNEL, ...)                                                                \
+    do {                                                                                          \
+        const float *xf;                                                                          \
+        float *yf;                                                                                \
+        if (bf16_io_begin(x, y, M, K, N, io, &xf, &yf, num_threads)) return 2;                    \
+        const int rc = KERNEL(xf, __VA_ARGS__, yf, num_threads);                                  \
+        bf16_io_end(x, y, M, N, io, xf, yf, num_threads);                                         \
+        return rc;                                                                                \
+    } while (0)
+
 #define I8_PANEL 16
 #ifndef I8_ROW_BLOCK
 #define I8_ROW_BLOCK 256 /* rows of x per pass over the weights, as in the bf16 panel GEMM */
@@ -340,12 +352,7 @@ static int int8_gemm_w8a16_f32(const float *x, int64_t M, int64_t K, const int8_
 /* int8_gemm_w8a16 on float32 or bf16 x and y (io: IO_* flags); 2 without memory for bf16 io. */
 int int8_gemm_w8a16(const void *x, int64_t M, int64_t K, const int8_t *panels, int64_t Kp, const float *scales,
                     int64_t group, int64_t N, const float *bias, void *y, int io, int num_threads) {
-    const float *xf;
-    float *yf;
-    if (bf16_io_begin(x, y, M, K, N, io, &xf, &yf, num_threads)) return 2;
-    const int rc = int8_gemm_w8a16_f32(xf, M, K, panels, Kp, scales, group, N, bias, yf, num_threads);
-    bf16_io_end(x, y, M, N, io, xf, yf, num_threads);
-    return rc;
+    BF16_IO_ENTRY(int8_gemm_w8a16_f32, M, K, panels, Kp, scales, group, N, bias);
 }
 
 /* y[M, N] = xs[m] * (xq[M, Kp] . w^T, scaled per group) (+ bias). xq from quantize_rows_int8.
@@ -483,12 +490,7 @@ static int int4_gemm_w4a16_f32(const float *x, int64_t M, int64_t K, const int8_
 /* int4_gemm_w4a16 on float32 or bf16 x and y (io: IO_* flags). */
 int int4_gemm_w4a16(const void *x, int64_t M, int64_t K, const int8_t *panels, const float *scales,
                     const float *offsets, int64_t group, int64_t N, const float *bias, void *y, int io, int num_threads) {
-    const float *xf;
-    float *yf;
-    if (bf16_io_begin(x, y, M, K, N, io, &xf, &yf, num_threads)) return 2;
-    const int rc = int4_gemm_w4a16_f32(xf, M, K, panels, scales, offsets, group, N, bias, yf, num_threads);
-    bf16_io_end(x, y, M, N, io, xf, yf, num_threads);
-    return rc;
+    BF16_IO_ENTRY(int4_gemm_w4a16_f32, M, K, panels, scales, offsets, group, N, bias);
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -736,12 +738,7 @@ done:
 /* int4_gemm_w4a8 on float32 or bf16 x and y (io: IO_* flags). */
 int int4_gemm_w4a8(const void *x, int64_t M, int64_t K, const int8_t *panels, const float *scales,
                    const float *offsets, int64_t group, int64_t N, const float *bias, void *y, int io, int num_threads) {
-    const float *xf;
-    float *yf;
-    if (bf16_io_begin(x, y, M, K, N, io, &xf, &yf, num_threads)) return 2;
-    const int rc = int4_gemm_w4a8_f32(xf, M, K, panels, scales, offsets, group, N, bias, yf, num_threads);
-    bf16_io_end(x, y, M, N, io, xf, yf, num_threads);
-    return rc;
+    BF16_IO_ENTRY(int4_gemm_w4a8_f32, M, K, panels, scales, offsets, group, N, bias);
 }
 
 /* ------------------------------------------------------------------------------------------ */
