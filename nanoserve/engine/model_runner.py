@@ -292,8 +292,6 @@ def run_model(
 ) -> torch.Tensor:
     """The transformer body: hidden states [num_tokens, hidden] (only rows `out_rows` if given).
     CUDA graphs capture this."""
-    if out_rows is None:
-        return model(input_ids, positions, backend.prepare_metadata(meta))
     return model(input_ids, positions, backend.prepare_metadata(meta), out_rows)
 
 
