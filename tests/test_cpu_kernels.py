@@ -134,6 +134,21 @@ def test_cpu_gemm_paths_match_f64_linear(path, dtype, rows, out_features, in_fea
     torch.testing.assert_close(got.double(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
 
 
+@pytest.mark.parametrize("path", ["panel", "onednn-bf16", "onednn-fp32", "native"])
+@pytest.mark.parametrize("out_dtype", [None, torch.float32])
+def test_cpu_gemm_keeps_leading_dims_and_out_dtype(path, out_dtype):
+    # The wrappers skip the no-op view and .to(): a [batch, seq, in] input must still come back
+    # [batch, seq, out], equal to the 2-D call row for row, in out_dtype (default: the input's).
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(40, 24, generator=g).bfloat16()
+    gemm = _gemm(path, weight, None)
+    gemm.out_dtype = out_dtype
+    x = torch.randn(2, 3, 24, generator=g).bfloat16()
+    got, flat = gemm(x), gemm(x.reshape(6, 24))
+    assert got.shape == (2, 3, 40) and got.dtype == (out_dtype or torch.bfloat16)
+    assert torch.equal(got.reshape(6, 40), flat)
+
+
 def test_row_buckets_are_few_and_cover_every_count():
     buckets = {row_bucket(m) for m in range(1, 8193)}
     assert len(buckets) <= 7 + 8192 // 64

@@ -51,6 +51,14 @@ def _pad_rows(x2: torch.Tensor) -> torch.Tensor:
     return x2 if padded == rows else torch.cat([x2, x2.new_zeros(padded - rows, x2.shape[1])])
 
 
+def _result(y: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """y [rows, out] shaped as x's leading dims in dtype. The no-op view and .to() are skipped: each
+    costs ~3 us through torch's dispatch, ~0.4 ms a one-sequence decode step over ~140 GEMMs."""
+    if x.dim() != 2:
+        y = y.view(*x.shape[:-1], y.shape[-1])
+    return y if y.dtype == dtype else y.to(dtype)
+
+
 class PanelGemm:
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: CPUKernels, out_dtype: torch.dtype | None = None
@@ -67,7 +75,7 @@ class PanelGemm:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out_dtype = self.out_dtype or x.dtype
         y = self.kernels.panel_gemm(x.reshape(-1, x.shape[-1]), self.panels, self.out_features, self.bias, out_dtype)
-        return y.view(*x.shape[:-1], y.shape[-1]).to(out_dtype)
+        return _result(y, x, out_dtype)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (each in [0, out_features)) of the packed weight, [*ids.shape, in] bf16, bit for
@@ -90,7 +98,7 @@ class OneDNNGemm:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1]).to(self.compute_dtype).contiguous()  # [rows, in]
         y = torch.ops.mkldnn._linear_pointwise(_pad_rows(x2), self.weight, self.bias, "none", [], "")
-        return y[: x2.shape[0]].view(*x.shape[:-1], y.shape[-1]).to(self.out_dtype or x.dtype)
+        return _result(y[: x2.shape[0]], x, self.out_dtype or x.dtype)
 
 
 class BucketedLinear:
@@ -100,7 +108,7 @@ class BucketedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         y = F.linear(_pad_rows(x2), self.weight, self.bias)
-        return y[: x2.shape[0]].view(*x.shape[:-1], y.shape[-1]).to(self.out_dtype or x.dtype)
+        return _result(y[: x2.shape[0]], x, self.out_dtype or x.dtype)
 
 
 class Int8Gemm:
@@ -129,7 +137,7 @@ class Int8Gemm:
             y = self.kernels.w8a8(x2.to(torch.float32), self.weight, self.bias)
         else:
             y = self.kernels.w8a16(x2, self.weight, self.bias, out_dtype)
-        return y.view(*x.shape[:-1], y.shape[-1]).to(out_dtype)
+        return _result(y, x, out_dtype)
 
 
 class Int4Gemm:
@@ -148,4 +156,4 @@ class Int4Gemm:
         if self.perm is not None:
             x2 = x2.index_select(1, self.perm)  # groups contiguous, as the weight was packed
         y = self.kernels(x2, self.weight, self.bias, out_dtype)
-        return y.view(*x.shape[:-1], y.shape[-1]).to(out_dtype)
+        return _result(y, x, out_dtype)

@@ -163,7 +163,7 @@ class CPUKernels:
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
         """RMSNorm over the last dim (residual added first, as the reference does) for bf16."""
-        if not _usable(x, weight, *([residual] if residual is not None else [])):
+        if not (_usable(x, weight) and (residual is None or _usable(residual))):
             return None
         dim = x.shape[-1]
         x = x.contiguous()
@@ -211,7 +211,8 @@ class CPUKernels:
         hq, hk = q.shape[1] // head_dim, k.shape[1] // head_dim
         q_out = torch.empty(tokens, hq, head_dim, dtype=q.dtype)
         k_out = torch.empty(tokens, hk, head_dim, dtype=k.dtype)
-        positions = positions.to(torch.int64).contiguous()
+        if positions.dtype != torch.int64 or not positions.is_contiguous():  # a no-op .to() costs ~3 us
+            positions = positions.to(torch.int64).contiguous()
         with traced("nanoserve::cpu_qk_norm_rope"):
             self.lib.qk_norm_rope_bf16(
                 q.data_ptr(), k.data_ptr(), q.stride(0), q_out.data_ptr(), k_out.data_ptr(),
