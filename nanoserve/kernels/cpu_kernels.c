@@ -294,23 +294,32 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
 
-/* Scores of two query heads (q1 may equal q0: then s1 is a copy) against four bf16 key rows of
-   n values (n % 8 == 0), the keys widened in registers once for both heads: eight independent
-   FMA chains, where a dot product per (key, head) is one chain ended by a horizontal sum. */
+/* q.k for two query heads (q1 may equal q0: s1 is then a copy) and four bf16 key rows of n values
+   (n % 16 == 0), eight independent FMA chains ended by horizontal sums. q is in even/odd order
+   (eo_index): each 16 values of a key row are one 32-byte load whose 32-bit lanes widen to the
+   even elements with a shift and to the odd ones with a mask, one op per 8 values where
+   vpmovzxwd + shift took two (the decode loop is bound by those ops and the FMAs on Zen 1). */
 static inline void qk_bf16_4x2(const float *q0, const float *q1, const uint16_t *k0, const uint16_t *k1,
                                const uint16_t *k2, const uint16_t *k3, int64_t n, float s0[4], float s1[4]) {
+    const __m256i odd = _mm256_set1_epi32((int)0xffff0000);
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-    for (int64_t d = 0; d < n; d += 8) {
-        const __m256 x = _mm256_loadu_ps(q0 + d), y = _mm256_loadu_ps(q1 + d);
-        __m256 k = widen_bf16x8(k0 + d);
-        a0 = _mm256_fmadd_ps(x, k, a0), b0 = _mm256_fmadd_ps(y, k, b0);
-        k = widen_bf16x8(k1 + d);
-        a1 = _mm256_fmadd_ps(x, k, a1), b1 = _mm256_fmadd_ps(y, k, b1);
-        k = widen_bf16x8(k2 + d);
-        a2 = _mm256_fmadd_ps(x, k, a2), b2 = _mm256_fmadd_ps(y, k, b2);
-        k = widen_bf16x8(k3 + d);
-        a3 = _mm256_fmadd_ps(x, k, a3), b3 = _mm256_fmadd_ps(y, k, b3);
+#define QK_KEY(kp, a, b)                                                                          \
+    do {                                                                                          \
+        const __m256i v = _mm256_loadu_si256((const __m256i *)((kp) + d));                        \
+        const __m256 ke = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));                          \
+        const __m256 ko = _mm256_castsi256_ps(_mm256_and_si256(v, odd));                          \
+        a = _mm256_fmadd_ps(xo, ko, _mm256_fmadd_ps(xe, ke, a));                                  \
+        b = _mm256_fmadd_ps(yo, ko, _mm256_fmadd_ps(ye, ke, b));                                  \
+    } while (0)
+    for (int64_t d = 0; d < n; d += 16) {
+        const __m256 xe = _mm256_loadu_ps(q0 + d), xo = _mm256_loadu_ps(q0 + d + 8);
+        const __m256 ye = _mm256_loadu_ps(q1 + d), yo = _mm256_loadu_ps(q1 + d + 8);
+        QK_KEY(k0, a0, b0);
+        QK_KEY(k1, a1, b1);
+        QK_KEY(k2, a2, b2);
+        QK_KEY(k3, a3, b3);
     }
+#undef QK_KEY
     s0[0] = hsum8(a0), s0[1] = hsum8(a1), s0[2] = hsum8(a2), s0[3] = hsum8(a3);
     s1[0] = hsum8(b0), s1[1] = hsum8(b1), s1[2] = hsum8(b2), s1[3] = hsum8(b3);
 }
@@ -359,29 +368,40 @@ static void decode_scores_bf16(const float *qs, const uint16_t *k_cache, const i
 }
 
 /* P.V of one decode work item over a bf16 cache: acc[r] += sum_j scores[r][j] * v_j for its rows
-   query heads, four value rows at a time widened in registers once for the G heads that share them. */
+   query heads, four value rows at a time widened in registers once for the G heads that share them;
+   acc in even/odd order (eo_index), as the shift and the mask widen a 16-value chunk. */
 static void decode_values_bf16(const float *scores, const uint16_t *v_cache, const int32_t *table, int64_t nkeys,
                                int64_t block_size, int64_t num_kv_heads, int64_t kv0, int64_t kv_per_item,
                                int64_t G, int64_t head_dim, float *acc, int64_t max_keys) {
 #if defined(__AVX2__) && defined(__FMA__)
+    const __m256i odd = _mm256_set1_epi32((int)0xffff0000);
     for (int64_t j0 = 0; j0 < nkeys; j0 += 4) {
         const uint16_t *rows[4];  /* a short block's repeated last row gets weight 0 */
         const int64_t nk = nkeys - j0 < 4 ? nkeys - j0 : 4;
         four_rows(v_cache, table, j0, nkeys, block_size, num_kv_heads, kv0, head_dim, rows);
         for (int64_t h = 0; h < kv_per_item; h++) {
             const int64_t voff = h * head_dim;
-            for (int64_t d = 0; d < head_dim; d += 8) {
-                const __m256 v0 = widen_bf16x8(rows[0] + voff + d), v1 = widen_bf16x8(rows[1] + voff + d);
-                const __m256 v2 = widen_bf16x8(rows[2] + voff + d), v3 = widen_bf16x8(rows[3] + voff + d);
+            for (int64_t d = 0; d < head_dim; d += 16) {
+                const __m256i u0 = _mm256_loadu_si256((const __m256i *)(rows[0] + voff + d));
+                const __m256i u1 = _mm256_loadu_si256((const __m256i *)(rows[1] + voff + d));
+                const __m256i u2 = _mm256_loadu_si256((const __m256i *)(rows[2] + voff + d));
+                const __m256i u3 = _mm256_loadu_si256((const __m256i *)(rows[3] + voff + d));
                 for (int64_t g = 0; g < G; g++) {
                     const int64_t r = h * G + g;
                     const float *p = scores + r * max_keys + j0;
+                    const __m256 p0 = _mm256_set1_ps(p[0]), p1 = _mm256_set1_ps(nk > 1 ? p[1] : 0.0f);
+                    const __m256 p2 = _mm256_set1_ps(nk > 2 ? p[2] : 0.0f), p3 = _mm256_set1_ps(nk > 3 ? p[3] : 0.0f);
                     float *a = acc + r * head_dim + d;
-                    __m256 sum = _mm256_fmadd_ps(_mm256_set1_ps(p[0]), v0, _mm256_loadu_ps(a));
-                    sum = _mm256_fmadd_ps(_mm256_set1_ps(nk > 1 ? p[1] : 0.0f), v1, sum);
-                    sum = _mm256_fmadd_ps(_mm256_set1_ps(nk > 2 ? p[2] : 0.0f), v2, sum);
-                    sum = _mm256_fmadd_ps(_mm256_set1_ps(nk > 3 ? p[3] : 0.0f), v3, sum);
-                    _mm256_storeu_ps(a, sum);
+                    __m256 e = _mm256_loadu_ps(a), o = _mm256_loadu_ps(a + 8);
+#define PV_ROW(u, pk)                                                                             \
+    e = _mm256_fmadd_ps(pk, _mm256_castsi256_ps(_mm256_slli_epi32(u, 16)), e);                    \
+    o = _mm256_fmadd_ps(pk, _mm256_castsi256_ps(_mm256_and_si256(u, odd)), o)
+                    PV_ROW(u0, p0);
+                    PV_ROW(u1, p1);
+                    PV_ROW(u2, p2);
+                    PV_ROW(u3, p3);
+#undef PV_ROW
+                    _mm256_storeu_ps(a, e), _mm256_storeu_ps(a + 8, o);
                 }
             }
         }
@@ -392,9 +412,13 @@ static void decode_values_bf16(const float *scores, const uint16_t *v_cache, con
 #endif
 }
 
+/* Where element d of a head sits in the even/odd order of the bf16 decode loops: in each chunk of
+   16, the even elements first, then the odd ones. */
+static inline int64_t eo_index(int64_t d) { return (d & ~(int64_t)15) + (d & 1) * 8 + ((d & 15) >> 1); }
+
 /* Decode: one query token per sequence. A work item is (sequence, group of kv_per_item KV heads):
    it reads each key's kv_per_item * head_dim values, contiguous in the cache, so memory is walked
-   block by block. A bf16 cache (head_dim % 8 == 0) is widened in registers, four keys at a time
+   block by block. A bf16 cache (head_dim % 16 == 0) is widened in registers, four keys at a time
    for the GQA heads that share them (decode_scores_bf16, decode_values_bf16): 1.2-1.5x faster than
    widening each row into a scratch and ending every (key, head) dot product in a horizontal sum
    (Zen 1, Qwen3-0.6B heads, 128-2048 keys, 1-16 sequences). Returns 0 on success, 1 if scratch memory could not be allocated. */
@@ -420,7 +444,7 @@ int paged_decode_f32(
     const int64_t width = kv_per_item * head_dim;
     const int64_t groups = num_kv_heads / kv_per_item;
 #if defined(__AVX2__) && defined(__FMA__)
-    const int bf16_in_registers = cache_dtype == DTYPE_BF16 && head_dim % 8 == 0;
+    const int bf16_in_registers = cache_dtype == DTYPE_BF16 && head_dim % 16 == 0;
 #else
     const int bf16_in_registers = 0;
 #endif
@@ -446,8 +470,10 @@ int paged_decode_f32(
                 const int64_t nkeys = context_lens[seq];
                 const int64_t kv0 = grp * kv_per_item;  /* first KV head; query heads kv0*G .. */
                 const int64_t q0 = (seq * num_heads + kv0 * G) * head_dim;
-                for (int64_t x = 0; x < rows * head_dim; x++)
-                    qs[x] = (io_bf16 ? bf16_to_f32(((const uint16_t *)q)[q0 + x]) : ((const float *)q)[q0 + x]) * scale;
+                for (int64_t r = 0, x = 0; r < rows; r++)  /* even/odd order for the bf16 loops */
+                    for (int64_t d = 0; d < head_dim; d++, x++)
+                        qs[r * head_dim + (bf16_in_registers ? eo_index(d) : d)] =
+                            (io_bf16 ? bf16_to_f32(((const uint16_t *)q)[q0 + x]) : ((const float *)q)[q0 + x]) * scale;
 
                 if (bf16_in_registers) {
                     decode_scores_bf16(qs, (const uint16_t *)k_cache, table, nkeys, block_size, num_kv_heads, kv0,
@@ -496,13 +522,14 @@ int paged_decode_f32(
                     }
                 }
                 for (int64_t r = 0; r < rows; r++) {
+                    const float *a = acc + r * head_dim;
                     if (io_bf16) {
                         uint16_t *o = (uint16_t *)out + q0 + r * head_dim;
-                        for (int64_t d = 0; d < head_dim; d++) o[d] = f32_to_bf16(acc[r * head_dim + d] * inv_sum[r]);
+                        for (int64_t d = 0; d < head_dim; d++)
+                            o[d] = f32_to_bf16(a[bf16_in_registers ? eo_index(d) : d] * inv_sum[r]);
                     } else {
                         float *o = (float *)out + q0 + r * head_dim;
-#pragma omp simd
-                        for (int64_t d = 0; d < head_dim; d++) o[d] = acc[r * head_dim + d] * inv_sum[r];
+                        for (int64_t d = 0; d < head_dim; d++) o[d] = a[bf16_in_registers ? eo_index(d) : d] * inv_sum[r];
                     }
                 }
             }
