@@ -115,6 +115,11 @@ class Backend:
 
     # ---- attention ----------------------------------------------------------------------------
 
+    def fuse_decode_layers(self, body: torch.nn.Module):
+        """A callable (positions, x, meta) -> (x, residual) | None running every layer of `body` (a
+        LlamaModel) for a decode-only step at once, or None: its layers then run one by one."""
+        return None
+
     def prepare_metadata(self, meta: AttentionMetadata) -> AttentionMetadata:
         """Derive, once per step, whatever this backend's kernels need beyond the common metadata."""
         return meta

@@ -22,6 +22,7 @@ Switches, read once at startup (`CPUOptions.from_env`):
   NANOSERVE_CPU_GEMM=auto|panel|onednn-bf16|onednn-fp32|native   (fp32: onednn-fp32)
   NANOSERVE_CPU_KERNELS=1|0             build and use the C kernels
   NANOSERVE_CPU_ATTENTION=auto|torch    the C attention kernels, or the torch reference
+  NANOSERVE_CPU_FUSED_DECODE=1|0        decode-only steps run every layer in one C call (the same kernels)
   VLLM_BATCH_INVARIANT=1                batch-invariant kernels (as LLM(batch_invariant=True))
   NANOSERVE_CPU_INT8=auto|w8a16|w8a8|w4a8|w4a16
                                         with quantization="int8": the default (W8A16), or one int8 path
@@ -41,7 +42,7 @@ import torch
 
 from nanoserve.backends.base import Backend, LinearFn, RowsFn
 from nanoserve.backends.metadata import AttentionMetadata
-from nanoserve.kernels import cpu_attention, cpu_kernels
+from nanoserve.kernels import cpu_attention, cpu_decode_layers, cpu_kernels
 from nanoserve.kernels.cpu_gemm import BucketedLinear, Int4Gemm, Int8Gemm, OneDNNGemm, PanelGemm
 from nanoserve.kernels.cpu_int8 import Int4Kernels, Int8Kernels, fits_int4, w4a8_supported
 from nanoserve.kernels.paged_attention import paged_attention_decode_torch, paged_attention_varlen_torch
@@ -76,6 +77,7 @@ class CPUOptions:
     # tests/test_batch_invariance.py).
     batch_invariant: bool = False
     int8: str = "auto"
+    fused_decode: bool = True  # decode-only steps run every layer in one C call (kernels/cpu_decode_layers.py)
 
     def __post_init__(self) -> None:
         if self.int8 not in ("auto", *INT8_PATHS, *INT4_PATHS):
@@ -91,10 +93,13 @@ class CPUOptions:
         kernels = environ.get("NANOSERVE_CPU_KERNELS", "1")
         if kernels not in ("0", "1"):
             raise ValueError(f"NANOSERVE_CPU_KERNELS must be 0 or 1, got {kernels!r}")
+        fused = environ.get("NANOSERVE_CPU_FUSED_DECODE", "1")
+        if fused not in ("0", "1"):
+            raise ValueError(f"NANOSERVE_CPU_FUSED_DECODE must be 0 or 1, got {fused!r}")
         gemm = environ.get("NANOSERVE_CPU_GEMM", "auto")
         return cls("onednn-fp32" if gemm == "fp32" else gemm, kernels == "1",
                    environ.get("NANOSERVE_CPU_ATTENTION", "auto"), environ.get("VLLM_BATCH_INVARIANT", "0") == "1",
-                   environ.get("NANOSERVE_CPU_INT8", "auto"))
+                   environ.get("NANOSERVE_CPU_INT8", "auto"), fused == "1")
 
 
 def native_lowp_gemm(dtype: torch.dtype) -> bool:
@@ -252,6 +257,12 @@ class CPUBackend(Backend):
         return super().qk_norm_rope(positions, q, k, cos_sin, q_weight, k_weight, eps)
 
     # ---- attention ----------------------------------------------------------------------------
+
+    def fuse_decode_layers(self, body):
+        # The C loop calls the C kernels the module path would: only where those are the ones running.
+        if not self.options.fused_decode or self.kernels is None or self.attention_lib is None:
+            return None
+        return cpu_decode_layers.build(body, self.kernels.lib)
 
     def prepare_metadata(self, meta: AttentionMetadata) -> AttentionMetadata:
         if self.attention_lib is None:

@@ -28,7 +28,7 @@ from nanoserve.kernels.trace import traced
 
 logger = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("cpu_kernels.c"), Path(__file__).with_name("cpu_int8.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_int8.c", "cpu_decode_layers.c"))
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
 
 _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float

@@ -100,6 +100,8 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"], ctx)
         self.layers = nn.ModuleList(layers)
+        self.backend = ctx.backend
+        self.fused_decode = None  # unbuilt; then the backend's fused decode run, or False
         self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6), ctx)
 
     def forward(
@@ -109,11 +111,26 @@ class LlamaModel(nn.Module):
         """Hidden states [num_tokens, hidden], or only rows `out_rows` of them: the last layer then
         runs its o_proj and MLP on those rows alone (last-token pooling reads one row a prompt)."""
         x, residual = self.embed_tokens(input_ids), None
-        last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
-            x, residual = layer(positions, x, residual, meta, out_rows if i == last else None)
+        fused = self._fused_decode(meta, out_rows)
+        done = fused(positions, x, meta) if fused is not None else None
+        if done is not None:
+            x, residual = done
+        else:
+            last = len(self.layers) - 1
+            for i, layer in enumerate(self.layers):
+                x, residual = layer(positions, x, residual, meta, out_rows if i == last else None)
         x, _ = self.norm(x, residual)
         return x
+
+    def _fused_decode(self, meta: AttentionMetadata, out_rows: torch.Tensor | None):
+        """The backend's run of every layer at once for a decode-only step (the CPU backend's single C
+        call, kernels/cpu_decode_layers.py), built on first use, once the weights are packed; None
+        where it has none and the layers run one by one."""
+        if out_rows is not None or meta.num_prefills or not meta.num_decode_tokens:
+            return None
+        if self.fused_decode is None:
+            self.fused_decode = self.backend.fuse_decode_layers(self) or False
+        return self.fused_decode or None
 
 
 class LlamaForCausalLM(nn.Module):
