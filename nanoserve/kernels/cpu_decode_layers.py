@@ -4,7 +4,7 @@ At a few decode rows a layer's C kernels take tens of microseconds and the Pytho
 (module calls, wrappers, ctypes argument conversion, tensor allocation) ~300 us: 8-10 ms of a
 one-sequence step on 28 layers. Like a CUDA graph replay, `DecodeLayers` runs the same kernels in
 the same order on the same bf16 rows without returning to Python, so its result is the module
-path's bit for bit (the module path, models/llama.py, is its reference in tests/test_cpu_kernels.py).
+path's bit for bit (models/llama.py is its reference in tests/test_fused_decode.py).
 
 It applies to what the loop was written for, and `build` returns None for anything else (the
 module path runs): Llama-style pre-norm layers with Qwen3's q/k RMSNorm, bf16 activations and
@@ -45,6 +45,7 @@ class _Step(ctypes.Structure):
 
 SIGNATURE = [_P, _I64, _P, _P, _P, ctypes.c_int, _P]
 _SCRATCH = ("h", "qkv", "q", "k", "attn", "o", "gate_up", "act")
+_MODULES = ("LlamaDecoderLayer", "LlamaAttention", "LlamaMLP")  # models/llama.py
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -140,38 +141,42 @@ class DecodeLayers:
         return x, residual
 
 
-def _same_shapes(gemms: list[_Gemm], first, hidden: int) -> bool:
-    """The layer's GEMMs chain as the loop's scratch rows are sized (from the first layer)."""
+def _same_shapes(gemms: list[_Gemm], attn, first_attn, hidden: int) -> bool:
+    """The layer has the first layer's attention shape and its GEMMs chain as the loop's scratch rows
+    are sized (from the first layer)."""
     qkv, o, gate_up, down = gemms
-    a = first.self_attn
-    q_width, kv_width = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    if (attn.num_heads, attn.num_kv_heads, attn.head_dim) != (first_attn.num_heads, first_attn.num_kv_heads,
+                                                              first_attn.head_dim):
+        return False
+    q_width, kv_width = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
     return (qkv.in_features == hidden and qkv.out_features == q_width + 2 * kv_width and o.in_features == q_width
             and o.out_features == hidden and gate_up.in_features == hidden
-            and gate_up.out_features == 2 * down.in_features and down.out_features == hidden
-            and first.self_attn.head_dim == a.head_dim)
+            and gate_up.out_features == 2 * down.in_features and down.out_features == hidden)
 
 
 def build(body, lib: ctypes.CDLL) -> DecodeLayers | None:
     """DecodeLayers for `body` (a LlamaModel), or None where one of its layers is not the kind the C
     loop runs (the module path then runs every step)."""
-    layers = []
+    layers, first = [], body.layers[0]
     for layer in body.layers:
+        # exactly the modules whose forward the loop repeats (by name: kernels/ does not import models/)
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if attn is None or getattr(attn, "q_norm", None) is None or not hasattr(mlp, "gate_up_proj"):
+        if (type(layer).__name__, type(attn).__name__, type(mlp).__name__) != _MODULES or attn.q_norm is None:
             return None
         if attn.o_proj.tp.size != 1 or mlp.down_proj.tp.size != 1:
             return None
         norms = (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm)
         if any(n.weight.dtype != torch.bfloat16 or not n.weight.is_contiguous() for n in norms):
             return None
-        first = body.layers[0]
         if {n.eps for n in (layer.input_layernorm, layer.post_attention_layernorm)} != {first.input_layernorm.eps} \
                 or {attn.q_norm.eps, attn.k_norm.eps} != {first.self_attn.q_norm.eps}:
             return None  # one eps for the layer norms and one for q/k, as the loop takes them
-        if attn.rotary_emb.cos_sin.dtype != torch.float32 or attn.rotary_emb.cos_sin is not first.self_attn.rotary_emb.cos_sin:
+        cos_sin = attn.rotary_emb.cos_sin
+        if cos_sin.dtype != torch.float32 or cos_sin is not first.self_attn.rotary_emb.cos_sin:
             return None
         gemms = [_gemm(linear) for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        if any(g is None for g in gemms) or not _same_shapes(gemms, first, norms[0].weight.shape[0]):
+        hidden = first.input_layernorm.weight.shape[0]
+        if any(g is None for g in gemms) or not _same_shapes(gemms, attn, first.self_attn, hidden):
             return None
         layers.append(_Layer(*gemms, *(n.weight.data_ptr() for n in norms), None, None))
     return DecodeLayers(lib, body, layers) if layers else None
