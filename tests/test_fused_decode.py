@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import assert_no_leak, make_llm, random_prompts
+from helpers import FaultInjectingBackend, assert_no_leak, make_llm, random_prompts
 from nanoserve import SamplingParams
 from nanoserve.kernels import cpu_kernels
 from nanoserve.kernels.cpu_decode_layers import DecodeLayers
@@ -91,3 +91,14 @@ def test_fused_decode_follows_a_reallocated_kv_cache(monkeypatch, model_dirs):
     attn = runner.model.model.layers[0].self_attn.attn
     assert fused.cache_ptrs[0] == (attn.k_cache.data_ptr(), attn.v_cache.data_ptr()) != before[0]
     del keep_old_alive
+
+
+def test_fused_decode_leaves_a_backend_subclass_its_own_ops(monkeypatch, model_dirs):
+    # A subclass replacing an op the loop would run in C (here attention, counting its calls) keeps
+    # every call: the module path runs, one attention call per layer per step.
+    monkeypatch.setenv("NANOSERVE_CPU_FUSED_DECODE", "1")
+    llm = make_llm(model_dirs["tied-gqa2"], dtype="bfloat16", attention_backend=FaultInjectingBackend)
+    llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    model = llm.engine.model_runner.model.model
+    assert model.fused_decode is False
+    assert llm.engine.model_runner.backend.calls == 4 * len(model.layers)
