@@ -82,11 +82,11 @@ static int run_gemm(const DecodeGemm *g, const uint16_t *x, int64_t rows, uint16
     }
 }
 
-/* x [rows, hidden] in, the last layer's MLP output out (in place); residual [rows, hidden] holds
-   the running residual (read when has_residual, always written). Returns 0, or the failing
-   kernel's code (2: out of memory) with the layer index in *failed_layer. */
+/* x [rows, hidden] (the embeddings) in, the last layer's MLP output out (in place); residual
+   [rows, hidden] gets the running residual. Returns 0, or the failing kernel's code (2: out of
+   memory) with the layer index in *failed_layer. */
 int decode_layers_bf16(const DecodeLayer *layers, int64_t num_layers, const DecodeStep *s, uint16_t *x,
-                       uint16_t *residual, int has_residual, int64_t *failed_layer) {
+                       uint16_t *residual, int64_t *failed_layer) {
     const int64_t rows = s->rows, hidden = s->hidden, hd = s->head_dim;
     const int64_t q_width = s->num_heads * hd, kv_width = s->num_kv_heads * hd, qkv_width = q_width + 2 * kv_width;
     const int threads = (int)s->num_threads;
@@ -94,7 +94,7 @@ int decode_layers_bf16(const DecodeLayer *layers, int64_t num_layers, const Deco
         const DecodeLayer *L = layers + i;
         int rc;
         *failed_layer = i;
-        if (i == 0 && !has_residual) {  /* h = norm(x), residual = x */
+        if (i == 0) {  /* h = norm(x), residual = x */
             rms_norm_bf16(x, NULL, NULL, L->input_norm, s->h, rows, hidden, s->eps, threads);
             memcpy(residual, x, (size_t)(rows * hidden) * sizeof(uint16_t));
         } else {

@@ -43,7 +43,6 @@ class _Step(ctypes.Structure):
                                         "q", "k", "attn", "o", "gate_up", "act")]
 
 
-SIGNATURE = [_P, _I64, _P, _P, _P, ctypes.c_int, _P]
 _SCRATCH = ("h", "qkv", "q", "k", "attn", "o", "gate_up", "act")
 _MODULES = ("LlamaDecoderLayer", "LlamaAttention", "LlamaMLP")  # models/llama.py
 
@@ -73,8 +72,7 @@ class DecodeLayers:
     """Runs every layer of `body` (a LlamaModel) for a decode-only step; see the module docstring."""
 
     def __init__(self, lib: ctypes.CDLL, body, layers: list[_Layer]) -> None:
-        self.fn = lib.decode_layers_bf16
-        self.fn.argtypes, self.fn.restype = SIGNATURE, ctypes.c_int
+        self.fn = lib.decode_layers_bf16  # argtypes set by cpu_kernels.load (SIGNATURES)
         first = body.layers[0]
         attn = first.self_attn
         self.attn_modules = [layer.self_attn.attn for layer in body.layers]
@@ -114,8 +112,7 @@ class DecodeLayers:
         if x.dtype != torch.bfloat16 or not self._bind_caches():
             return None
         rows = x.shape[0]
-        plan = getattr(meta, "decode_plan", None) or cpu_attention.decode_plan(
-            meta.decode_block_tables, meta.decode_context_lens)
+        plan = meta.decode_plan  # CPUBackend.prepare_metadata's, for every step with decodes
         threads = torch.get_num_threads()
         x = x.contiguous().clone()  # written in place
         residual = torch.empty_like(x)
@@ -133,7 +130,7 @@ class DecodeLayers:
             setattr(step, name, at)
             at += rows * width * 2
         failed = ctypes.c_int64(-1)
-        rc = self.fn(self.layers, len(self.layers), ctypes.byref(step), x.data_ptr(), residual.data_ptr(), 0,
+        rc = self.fn(self.layers, len(self.layers), ctypes.byref(step), x.data_ptr(), residual.data_ptr(),
                      ctypes.byref(failed))
         if rc:
             raise MemoryError(f"the fused decode layers failed in layer {failed.value} (code {rc}): out of memory")

@@ -42,6 +42,8 @@ SIGNATURES = {
     "store_kv_rows": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64],
     "panel_gemm_bf16": [_P, _I64, _I64, _P, _I64, _P, _P, _I32, _I32],
     "panel_gemm_supported": [],
+    # cpu_decode_layers.c (driven by cpu_decode_layers.py)
+    "decode_layers_bf16": [_P, _I64, _P, _P, _P, _P],
     # cpu_int8.c (bound in cpu_int8.py)
     "int8_gemm_supported": [],
     "pack_int8_panels": [_P, _I64, _I64, _I64, _P, _I32],
@@ -57,7 +59,7 @@ SIGNATURES = {
     "peak_loop_maddubs_i16": [_I64, _I32],
 }
 RETURNS_INT = ("paged_attention_f32", "paged_decode_f32", "panel_gemm_bf16", "panel_gemm_supported",
-               "int8_gemm_supported", "int8_gemm_w8a16", "int8_gemm_w8a8", "int4_gemm_w4a16",
+               "decode_layers_bf16", "int8_gemm_supported", "int8_gemm_w8a16", "int8_gemm_w8a8", "int4_gemm_w4a16",
                "int4_gemm_w4a8")
 RETURNS_DOUBLE = ("peak_loop_fma_f32", "peak_loop_madd_i16", "peak_loop_maddubs_u8s8", "peak_loop_maddubs_i16")
 PANEL = 16  # output columns per packed weight panel (cpu_kernels.c)
