@@ -16,6 +16,8 @@ from nanoserve.sampling.sampler import Sampler
 
 # Two shapes unlike each other: tied embeddings with GQA 2, and untied with GQA 4 and a
 # head_dim that is not a power of two.
+TEST_DEVICE = os.environ.get("NANOSERVE_TEST_DEVICE", "cpu")  # see make_llm
+
 MODEL_CONFIGS = {
     "tied-gqa2": dict(seed=0),
     "untied-gqa4": dict(
@@ -78,9 +80,11 @@ class HFOracle:
 
 
 def make_llm(path, **kw) -> LLM:
-    """A small float32 CPU engine: block size 8, 256 blocks, max_model_len 512 unless overridden
-    (None for any of the last three gives the engine's own default)."""
-    kw = {"device": "cpu", "dtype": "float32", "kvcache_block_size": 8, "num_kvcache_blocks": 256,
+    """A small float32 engine: block size 8, 256 blocks, max_model_len 512 unless overridden
+    (None for any of the last three gives the engine's own default). On the CPU unless
+    NANOSERVE_TEST_DEVICE names another device: on a GPU machine, NANOSERVE_TEST_DEVICE=cuda runs
+    the engine-level tests there (tests of CPU-only paths then fail, as they should)."""
+    kw = {"device": TEST_DEVICE, "dtype": "float32", "kvcache_block_size": 8, "num_kvcache_blocks": 256,
           "max_model_len": 512, **kw}
     return LLM(path, **kw)
 

@@ -60,7 +60,7 @@ def test_greedy_matches_hf_with_prefix_caching_and_chunked_prefill(arch_dirs, hf
 def test_tensor_parallel_matches_hf(arch_dirs, hf, case):
     path = arch_dirs[case]
     prompts = random_prompts(3, 5, 60, seed=21)
-    with make_llm(path, tensor_parallel_size=2, num_kvcache_blocks=64, max_model_len=128) as llm:
+    with make_llm(path, device="cpu", tensor_parallel_size=2, num_kvcache_blocks=64, max_model_len=128) as llm:
         assert_matches_hf(hf, path, prompts, llm.generate(prompts, GREEDY, use_tqdm=False), 16)
 
 

@@ -253,6 +253,10 @@ def test_the_smoke_plan_covers_every_gpu_path_the_readme_claims():
         assert {"triton", "flash_attn"} <= backends
     assert {k for c in cases for k in c.env} == {k for env in smoke.OLD_PATHS for k in env}
     assert any(c.model == "moe-d128" and "NANOSERVE_TRITON_MOE_TILES" in c.env for c in cases)
+    fp32 = [c for c in cases if c.dtype == "float32"]  # exact tokens: what bf16 noise could hide
+    assert {c.backend for c in fp32} == {"triton"}
+    assert {(m, g) for m in ("dense-d128", "moe-d128") for g in (False, True)} <= {(c.model, c.graphs) for c in fp32}
+    assert {smoke.MODELS[c.model][1]["head_dim"] for c in fp32} == {64, 80, 96, 128, 256}
     long = {c.backend for c in cases if c.model == "long-d128"}
     assert long == {"triton", "flash_attn"} and smoke.LONG_PROMPT > 8192
     config = smoke.MODELS["long-d128"][1]
@@ -263,3 +267,69 @@ def test_the_smoke_plan_covers_every_gpu_path_the_readme_claims():
     assert all(c.tp == 1 and c.backend != "flash_attn" for c in cases)
     reasons = {(c.backend, c.tp): r for c, r in skipped}
     assert reasons[("flash_attn", 1)].startswith("flash-attn failed") and "needs 2 GPUs" in reasons[("triton", 2)]
+
+
+def test_triton_moe_experts_take_the_layers_positional_call(monkeypatch):
+    """The MoE layer calls its experts as experts(x, topk_weights, topk_ids); the Triton backend's
+    must bind those to fused_moe_triton's parameters (a partial with w13/w2 as keywords did not)."""
+    import inspect
+
+    from nanoserve.backends import triton as triton_backend
+
+    signature = inspect.signature(triton_backend.fused_moe_triton)
+    calls = []
+
+    def fake_fused_moe(*args, **kwargs):
+        arguments = signature.bind(*args, **kwargs).arguments  # raises where the real call would
+        calls.append(arguments)
+        return torch.zeros_like(arguments["x"])
+
+    monkeypatch.setattr(triton_backend, "fused_moe_triton", fake_fused_moe)
+    w13, w2 = torch.randn(4, 16, 8), torch.randn(4, 8, 8)
+    experts = triton_backend.TritonBackend(torch.device("cuda"), torch.bfloat16).prepare_moe(w13, w2)
+    x, weights, ids = torch.randn(3, 8), torch.rand(3, 2), torch.randint(0, 4, (3, 2))
+    assert experts(x, weights, ids).shape == x.shape
+    (arguments,) = calls
+    assert arguments["x"] is x and arguments["topk_weights"] is weights and arguments["topk_ids"] is ids
+    assert torch.equal(arguments["w13"], w13) and torch.equal(arguments["w2"], w2)
+    # The torch reference takes the same call, for real.
+    assert Backend(torch.device("cpu"), torch.float32).prepare_moe(w13, w2)(x, weights, ids).shape == x.shape
+
+
+def test_the_smoke_rule_forgives_a_rounding_not_a_wrong_token(tiny_model):
+    """bf16 rows: a divergence to a token both engines rank in their top LOGPROBS passes (vLLM's
+    check_logprobs_close), one to a token outside it fails; float32 rows forgive only a near-exact tie."""
+    import copy
+
+    from nanoserve import smoke
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, n=2, logprobs=smoke.LOGPROBS)
+    with make_llm(tiny_model, dtype="bfloat16") as llm:
+        reference = llm.generate(random_prompts(3, 5, 20), params, use_tqdm=False)
+    assert smoke.agreement(reference, reference, "bfloat16") == (6, 6, [])
+
+    def diverge_at(t: int, rank: int | None):
+        outs = copy.deepcopy(reference)
+        sample = outs[1].outputs[0]
+        ranked = {lp.rank: token for token, lp in sample.logprobs[t].items()}
+        vocab = llm.engine.model_runner.config.hf_config["vocab_size"]
+        sample.token_ids[t] = ranked[rank] if rank else next(x for x in range(vocab) if x not in sample.logprobs[t])
+        return outs
+
+    assert smoke.agreement(diverge_at(2, 2), reference, "bfloat16")[:2] == (6, 6)
+    ok, total, diverged = smoke.agreement(diverge_at(2, None), reference, "bfloat16")
+    assert (ok, total) == (5, 6) and diverged[0].startswith("prompt 1 token 2 (ours ranked None")
+    ok, _, diverged = smoke.agreement(diverge_at(2, 2), reference, "float32")
+    top = sorted(lp.logprob for lp in reference[1].outputs[0].logprobs[2].values())[-2:]
+    assert ok == (6 if top[1] - top[0] < smoke.FP32_NEAR_TIE else 5)
+
+
+def test_a_cpu_backend_subclass_on_cuda_is_a_clear_error():
+    """attention_backend=<a CPUBackend subclass> with device='cuda' fails at selection, not inside oneDNN."""
+    from nanoserve.backends.cpu import CPUBackend
+
+    class Instrumented(CPUBackend):
+        pass
+
+    with pytest.raises(ValueError, match="Instrumented is a CPU backend: it runs with device='cpu'"):
+        select_backend(torch.device("cuda"), torch.bfloat16, Instrumented, None, 64)

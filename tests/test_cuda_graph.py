@@ -171,7 +171,7 @@ def test_cpu_run_never_imports_the_cuda_graph_module(tiny_model, monkeypatch):
     # Make any import of the module fail, then run a CPU engine through prefill and decode.
     monkeypatch.setitem(sys.modules, "nanoserve.engine.cuda_graph", None)
     monkeypatch.delattr(nanoserve.engine, "cuda_graph", raising=False)
-    llm = make_llm(tiny_model, num_kvcache_blocks=64, max_model_len=128)
+    llm = make_llm(tiny_model, device="cpu", num_kvcache_blocks=64, max_model_len=128)
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
     assert llm.engine.model_runner._cuda_graphs is None

@@ -33,7 +33,7 @@ def workload() -> tuple[list[list[int]], list[SamplingParams]]:
 
 def engine(path, chunked=True, **kw):
     return make_llm(
-        path, attention_backend=FaultInjectingBackend, kvcache_block_size=BLOCK, num_kvcache_blocks=48,
+        path, device="cpu", attention_backend=FaultInjectingBackend, kvcache_block_size=BLOCK, num_kvcache_blocks=48,
         max_model_len=64, max_num_batched_tokens=40 if chunked else 64, max_num_seqs=6,
         enable_chunked_prefill=chunked, **kw,
     )
@@ -46,7 +46,7 @@ def tokens(outputs):
 @pytest.fixture(scope="module")
 def reference(tiny_model):
     """An idle engine that recomputes K/V for the cache check (big enough never to evict)."""
-    return make_llm(tiny_model, kvcache_block_size=BLOCK, num_kvcache_blocks=1024, max_model_len=64)
+    return make_llm(tiny_model, device="cpu", kvcache_block_size=BLOCK, num_kvcache_blocks=1024, max_model_len=64)
 
 
 @pytest.fixture(scope="module")

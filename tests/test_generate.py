@@ -118,7 +118,7 @@ def test_cpu_backend_without_c_kernels_matches_hf(model_dirs, hf, monkeypatch):
     monkeypatch.setenv("NANOSERVE_CPU_KERNELS", "0")
     path = model_dirs["untied-gqa4"]
     prompts = random_prompts(4, 3, 40, seed=78)
-    llm = make_llm(path)
+    llm = make_llm(path, device="cpu")
     backend = llm.engine.model_runner.backend
     assert backend.name == "cpu" and backend.describe()["attention"] == "torch SDPA"
     assert backend.describe()["fused ops"] == "torch"
@@ -130,4 +130,4 @@ def test_cpu_backend_without_c_kernels_matches_hf(model_dirs, hf, monkeypatch):
 def test_bad_cpu_switch_is_a_clear_error(tiny_model, monkeypatch):
     monkeypatch.setenv("NANOSERVE_CPU_GEMM", "fast")
     with pytest.raises(ValueError, match="NANOSERVE_CPU_GEMM must be one of auto, panel, onednn-bf16"):
-        make_llm(tiny_model)
+        make_llm(tiny_model, device="cpu")

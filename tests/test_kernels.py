@@ -111,7 +111,7 @@ def _store_kv_case(num_tokens: int, num_kv_heads: int, head_dim: int, block_size
 
 def _attention_case(kind: str, seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int,
                     head_dim: int, block_size: int, dtype: str, num_kv_splits: int | None = None,
-                    q_noncontiguous: bool = False, tile_by_block: bool = True) -> dict:
+                    q_noncontiguous: bool = False, tile_by_block: bool = True, stale_inf: bool = False) -> dict:
     from nanoserve.kernels.triton_paged_attention import (
         paged_attention_decode_triton,
         paged_attention_varlen_triton,
@@ -120,6 +120,12 @@ def _attention_case(kind: str, seqs: list[tuple[int, int]], num_heads: int, num_
     b = make_paged_batch(seqs, num_heads, num_kv_heads, head_dim, block_size, DTYPES[dtype],
                          seed=len(seqs) + head_dim + block_size, q_noncontiguous=q_noncontiguous)
     ref_batch = as_fp32_batch(b)
+    if stale_inf:  # slots past each sequence's end hold inf (another request's overflowed fp16 K/V)
+        for row, ctx in zip(b["block_tables"], b["context_lens"].tolist()):
+            if ctx % block_size:
+                last = int(row[(ctx - 1) // block_size])
+                b["k_cache"][last, ctx % block_size:] = float("inf")
+                b["v_cache"][last, ctx % block_size:] = float("inf")
     if kind == "varlen":
         got = paged_attention_varlen_triton(*varlen_args(b), tile_by_block=tile_by_block)
         ref = paged_attention_varlen_torch(*varlen_args(ref_batch))
@@ -176,6 +182,10 @@ ATTENTION_CASES = {
                                                      q_noncontiguous=True),
     "varlen_per_key_gqa2_d64_bs16_fp32": _attn("varlen", [(20, 52), (1, 17)], (4, 2), 64, 16, "fp32",
                                                tile_by_block=False),
+    # Stale inf past a sequence's end must not reach the output (masked p = 0 times inf V is NaN).
+    "varlen_by_block_stale_inf_fp16": _attn("varlen", [(20, 52), (3, 19)], (4, 2), 64, 16, "fp16", stale_inf=True),
+    "varlen_per_key_stale_inf_fp16": _attn("varlen", [(20, 52), (3, 19)], (4, 2), 64, 16, "fp16", stale_inf=True,
+                                           tile_by_block=False),
     # Decode: single pass and split-K with the merge kernel (including empty trailing splits).
     "decode_mha_d16_bs4_fp32": _attn("decode", [(1, 1), (1, 9), (1, 33)], (2, 2), 16, 4, "fp32", num_kv_splits=1),
     "decode_gqa2_d64_bs16_split3_fp32": _attn("decode", [(1, 1), (1, 17), (1, 150)], (4, 2), 64, 16, "fp32",
@@ -185,6 +195,8 @@ ATTENTION_CASES = {
     "decode_gqa4_d16_bs1_split4_fp32": _attn("decode", [(1, 3), (1, 20)], (4, 1), 16, 1, "fp32", num_kv_splits=4),
     "decode_gqa2_d64_bs16_split2_bf16": _attn("decode", [(1, 5), (1, 100)], (4, 2), 64, 16, "bf16",
                                               num_kv_splits=2),
+    "decode_stale_inf_split2_fp16": _attn("decode", [(1, 5), (1, 100)], (4, 2), 64, 16, "fp16", num_kv_splits=2,
+                                          stale_inf=True),
 }
 
 

@@ -530,3 +530,20 @@ def test_bench_json_workload_reports_consistent_figures(tiny_model):
             assert 0 < run["output_tokens"] <= 24 * 2 and run["mask_us_per_token"] > 0
             twin = run["unconstrained_twin"]
             assert run["speed_vs_unconstrained"] == pytest.approx(run["output_tok_s"] / twin["output_tok_s"])
+
+
+
+@pytest.mark.parametrize("found", ["1.6.1", "1.7.6"])
+def test_an_llguidance_too_old_for_the_whitespace_bound_is_refused(monkeypatch, found):
+    """llguidance 1.7.6 and before let JSON whitespace runs grow past the pattern's bound (a GPU
+    image had 1.6.1): loading it is refused, naming the version to install."""
+    import importlib.metadata
+
+    from nanoserve.structured import grammar
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: found if name == "llguidance" else real(name))
+    with pytest.raises(ImportError, match=rf"llguidance >= 1\.8, found {re.escape(found)}"):
+        grammar.import_llguidance()
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "1.8.0" if name == "llguidance" else real(name))
+    assert grammar.import_llguidance().LLMatcher

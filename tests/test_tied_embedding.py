@@ -186,7 +186,7 @@ def test_an_untied_model_keeps_its_embedding(untied_twin, panel):
 
 
 def _generate(path: str, prompts: list[list[int]]):
-    llm = make_llm(path, dtype="bfloat16")
+    llm = make_llm(path, device="cpu", dtype="bfloat16")
     assert llm.engine.model_runner.backend.describe()["gemm"] == "panel"
     return llm.engine.model_runner.model, llm.generate(prompts, GREEDY, use_tqdm=False)
 
@@ -230,7 +230,7 @@ def test_tensor_parallel_ranks_share_their_shards(tied_bf16, untied_twin, panel)
     prompts = random_prompts(2, 4, 12, seed=10)
     outputs = []
     for path in (tied_bf16, untied_twin):
-        with make_llm(path, dtype="bfloat16", tensor_parallel_size=2, num_kvcache_blocks=64) as llm:
+        with make_llm(path, device="cpu", dtype="bfloat16", tensor_parallel_size=2, num_kvcache_blocks=64) as llm:
             assert llm.engine.model_runner.backend.describe()["gemm"] == "panel"
             outputs.append(llm.generate(prompts, GREEDY, use_tqdm=False))
     for out, ref in zip(*outputs, strict=True):

@@ -157,6 +157,8 @@ class CPUBackend(Backend):
         self, device: torch.device, dtype: torch.dtype, options: CPUOptions | None = None,
         quantization: str | None = None,
     ) -> None:
+        if torch.device(device).type != "cpu":  # a subclass passed as attention_backend with device="cuda"
+            raise ValueError(f"{type(self).__name__} is a CPU backend: it runs with device='cpu', got {device}")
         super().__init__(device, dtype)
         self.options = options or CPUOptions()
         if quantization is not None and quantization not in QUANTIZATIONS:

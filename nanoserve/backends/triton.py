@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
@@ -90,8 +89,12 @@ class TritonBackend(Backend):
         store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
 
     def prepare_moe(self, w13, w2) -> MoEFn:
-        return partial(fused_moe_triton, w13=w13.contiguous(), w2=w2.contiguous(),
-                       tile_table=self.options.moe_tile_table)
+        w13, w2, tile_table = w13.contiguous(), w2.contiguous(), self.options.moe_tile_table
+
+        def experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+            return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, tile_table=tile_table)
+
+        return experts
 
     def decode(self, q, k_cache, v_cache, meta, scale):
         return tpa.paged_attention_decode_triton(

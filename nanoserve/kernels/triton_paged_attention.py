@@ -42,16 +42,22 @@ MAX_KV_SPLITS = 64  # a power of 2: the merge kernel's fixed tile
 if triton is not None:
 
     @triton.jit
-    def _block_tile(k_cache_ptr, v_cache_ptr, bt_row, n_start, block_size, kv_head, offs_t, offs_d, d_mask,
-                    stride_k_block, stride_k_slot, stride_k_head, stride_v_block, stride_v_slot, stride_v_head):
+    def _block_tile(k_cache_ptr, v_cache_ptr, bt_row, n_start, kv_end, block_size, kv_head, offs_t, offs_d, d_mask,
+                    stride_k_block, stride_k_slot, stride_k_head, stride_v_block, stride_v_slot, stride_v_head,
+                    AT_END: tl.constexpr):
         """K and V of keys n_start + offs_t, a tile inside one block: its table entry is loaded once.
-        n_start < kv_end, so the block is real; keys of it past kv_end are read, then masked."""
+        n_start < kv_end, so the block is real. AT_END: the tile may reach past kv_end, into slots
+        that hold another request's stale values (inf in an fp16 model that overflowed) or none:
+        those load as 0, since a masked score's p = 0 times an inf V would still be NaN."""
         block = tl.load(bt_row + n_start // block_size).to(tl.int64)
         slot = (n_start % block_size + offs_t).to(tl.int64)
         k_rows = block * stride_k_block + kv_head * stride_k_head + slot * stride_k_slot
         v_rows = block * stride_v_block + kv_head * stride_v_head + slot * stride_v_slot
-        k = tl.load(k_cache_ptr + k_rows[:, None] + offs_d[None, :], mask=d_mask[None, :], other=0.0)
-        v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :], mask=d_mask[None, :], other=0.0)
+        mask = d_mask[None, :]
+        if AT_END:
+            mask = mask & (n_start + offs_t < kv_end)[:, None]
+        k = tl.load(k_cache_ptr + k_rows[:, None] + offs_d[None, :], mask=mask, other=0.0)
+        v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :], mask=mask, other=0.0)
         return k, v  # [BLOCK_N, BLOCK_D] each
 
     @triton.jit
@@ -138,14 +144,14 @@ if triton is not None:
             # Keys [0, full_end) are visible to every row (the first row's position bounds them).
             full_end = (context_len - q_len + tok0 + 1) // BLOCK_N * BLOCK_N
             for n_start in range(0, full_end, BLOCK_N):
-                k, v = _block_tile(k_cache_ptr, v_cache_ptr, bt_row, n_start, block_size, kv_head, offs_t, offs_d,
-                                   d_mask, stride_k_block, stride_k_slot, stride_k_head,
-                                   stride_v_block, stride_v_slot, stride_v_head)
+                k, v = _block_tile(k_cache_ptr, v_cache_ptr, bt_row, n_start, kv_end, block_size, kv_head, offs_t,
+                                   offs_d, d_mask, stride_k_block, stride_k_slot, stride_k_head,
+                                   stride_v_block, stride_v_slot, stride_v_head, False)
                 m_i, l_i, acc = _attend(q, k, v, m_i, l_i, acc, None, scale_log2, False, DOT_PRECISION, DOT_FP32)
             for n_start in range(full_end, kv_end, BLOCK_N):  # the causal edge: masked
-                k, v = _block_tile(k_cache_ptr, v_cache_ptr, bt_row, n_start, block_size, kv_head, offs_t, offs_d,
-                                   d_mask, stride_k_block, stride_k_slot, stride_k_head,
-                                   stride_v_block, stride_v_slot, stride_v_head)
+                k, v = _block_tile(k_cache_ptr, v_cache_ptr, bt_row, n_start, kv_end, block_size, kv_head, offs_t,
+                                   offs_d, d_mask, stride_k_block, stride_k_slot, stride_k_head,
+                                   stride_v_block, stride_v_slot, stride_v_head, True)
                 offs_n = n_start + offs_t
                 visible = (offs_n[None, :] <= q_pos[:, None]) & (offs_n < kv_end)[None, :]
                 m_i, l_i, acc = _attend(q, k, v, m_i, l_i, acc, visible, scale_log2, True, DOT_PRECISION, DOT_FP32)

@@ -9,7 +9,9 @@ kept as a ready matcher in an LRU cache keyed by the ConstraintSpec: a new seque
 """
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import re
 from collections import OrderedDict
 from typing import Any
 
@@ -24,15 +26,23 @@ GRAMMAR_CACHE_SIZE = 256
 MAX_JSON_WHITESPACE = 24
 DEFAULT_WHITESPACE_PATTERN = rf"[\x20\x0A\x0D\x09]{{0,{MAX_JSON_WHITESPACE}}}"
 _INSTALL_HINT = 'structured outputs need llguidance: pip install llguidance (or pip install "nanoserve[structured]")'
+# 1.8 bounds every whitespace run by the pattern above (1.7.6 and before let runs grow past it,
+# seen on a GPU machine whose image had 1.6.1) and takes a list of EOS ids (1.7).
+MIN_LLGUIDANCE = (1, 8)
 
 
 def import_llguidance():
-    """The llguidance module, or an ImportError that says how to install it."""
+    """The llguidance module, or an ImportError that says how to install or upgrade it."""
     try:
         import llguidance
         import llguidance.hf  # noqa: F401  (the tokenizer bridge)
     except ImportError as e:
         raise ImportError(f"{_INSTALL_HINT} ({e})") from None
+    found = importlib.metadata.version("llguidance")
+    if tuple(int(part) for part in re.findall(r"\d+", found)[:2]) < MIN_LLGUIDANCE:
+        wanted = ".".join(map(str, MIN_LLGUIDANCE))
+        raise ImportError(f"structured outputs need llguidance >= {wanted}, found {found}: "
+                          f'pip install -U "llguidance>={wanted}"')
     return llguidance
 
 
