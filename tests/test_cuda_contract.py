@@ -145,8 +145,8 @@ def test_engine_generates_through_flash_attn_like_the_torch_backend(fake_flash_a
     prompts = [shared + tail for tail in random_prompts(3, 5, 40, seed=4)] + random_prompts(3, 20, 280, seed=5)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=2, logprobs=2)
     # 7 blocks of 256 for up to 6 sequences of ~340 tokens: preemption; a 128-token budget: chunks.
-    kw = dict(dtype="bfloat16", kvcache_block_size=BLOCK, num_kvcache_blocks=7, max_model_len=512,
-              max_num_batched_tokens=128)
+    kw = dict(device="cpu", dtype="bfloat16", kvcache_block_size=BLOCK, num_kvcache_blocks=7, max_model_len=512,
+              max_num_batched_tokens=128)  # the fake flash-attn runs on CPU tensors
     flash = make_llm(path, attention_backend=FlashAttnOnCPU, **kw)
     assert flash.engine.model_runner.backend.name == "flash_attn"
     first = flash.generate(prompts[:1], params, use_tqdm=False)  # caches the shared prefix

@@ -28,10 +28,10 @@ def test_weights_land_in_packed_parameters(tiny_model):
     ref = load_file(f"{tiny_model}/model.safetensors")
     attn = model.model.layers[1].self_attn
     q, k, v = (ref[f"model.layers.1.self_attn.{n}_proj.weight"] for n in "qkv")
-    assert torch.equal(attn.qkv_proj.weight, torch.cat([q, k, v]))
+    assert torch.equal(attn.qkv_proj.weight.cpu(), torch.cat([q, k, v]))
     mlp = model.model.layers[0].mlp
     gate, up = (ref[f"model.layers.0.mlp.{n}_proj.weight"] for n in ("gate", "up"))
-    assert torch.equal(mlp.gate_up_proj.weight, torch.cat([gate, up]))
+    assert torch.equal(mlp.gate_up_proj.weight.cpu(), torch.cat([gate, up]))
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied
 
 
@@ -41,7 +41,7 @@ def test_packing_backends_hold_each_weight_once(tmp_path, tied):
     (a tied head shares it), and the model still matches the torch backend token for token."""
     path = build_tiny_qwen3(tmp_path / "m", seed=3, tie_word_embeddings=tied)
     kwargs = dict(num_kvcache_blocks=64, max_model_len=128)
-    packed = make_llm(path, attention_backend="cpu", **kwargs)
+    packed = make_llm(path, device="cpu", attention_backend="cpu", **kwargs)
     model = packed.engine.model_runner.model
     assert packed.engine.model_runner.backend.packs_weights
     layer = model.model.layers[0]

@@ -89,7 +89,7 @@ def test_listening_sockets_parser_sees_a_socket():
 def test_tensor_parallel_engine_listens_on_loopback_only(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the rendezvous directory goes
     before = {(os.getpid(), a) for a in listening_sockets(os.getpid())}
-    llm = make_llm(tiny_model, tensor_parallel_size=2, num_kvcache_blocks=64, max_model_len=128)
+    llm = make_llm(tiny_model, device="cpu", tensor_parallel_size=2, num_kvcache_blocks=64, max_model_len=128)
     try:
         (worker,) = llm.engine.model_runner.worker_pids
         probe = SocketProbe([os.getpid(), worker], before)

@@ -255,3 +255,18 @@ def test_garbage_collection_closes_workers(tp2_holder):
     assert_gone(pids)
     assert [p.exitcode for p in procs] == [0]  # stopped by its "stop" message, not terminated
 
+
+
+def test_rank0_joins_the_rendezvous_once_the_workers_are_joining(tiny_model, tmp_path, monkeypatch):
+    """A spawned worker can take longer to import torch than the rendezvous timeout (a loaded
+    machine): rank 0 starts that clock only once each worker says it is joining. The workers are
+    slowed by a sitecustomize (run at their start-up) past the parent's shortened timeout."""
+    from nanoserve.distributed import process_group
+
+    (tmp_path / "sitecustomize.py").write_text("import time\ntime.sleep(6)\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setattr(process_group, "PROCESS_GROUP_TIMEOUT_S", 3.0)
+    prompts = random_prompts(2, 3, 10, seed=5)
+    with make_llm(tiny_model) as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert all(len(out.outputs[0].token_ids) == 4 for out in outs)

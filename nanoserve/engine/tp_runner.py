@@ -42,6 +42,7 @@ class TPModelRunner:  # implements engine.runner.Runner
         self.rank0: ModelRunner | None = None
         try:
             self._workers.start(config, device, process_group.threads_per_rank(size))
+            self._workers.wait_connecting()
             rank0_device = process_group.rank_device(device, 0)
             # Every rank connects before building its model: on CUDA the warm-up runs collectives.
             process_group.connect(self.group, rank0_device, self._workers.store)

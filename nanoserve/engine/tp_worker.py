@@ -43,6 +43,7 @@ def worker_main(
         if device.type == "cuda":
             torch.cuda.set_device(device)
         group = TPGroup(rank, size)
+        send_message(conn, "connecting", None)  # imports done: rank 0 joins the rendezvous now
         # Connected before the model is built: on CUDA its warm-up (memory profiling) runs collectives.
         process_group.connect(group, device, process_group.join_store(store_path, size))
         runner = ModelRunner(config, device, group)

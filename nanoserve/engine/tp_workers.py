@@ -7,8 +7,9 @@
   and interpreter exit) sends "stop", joins each worker for JOIN_TIMEOUT_S, then terminates and
   finally kills what is left.
 * The parent never waits on a worker without a timeout and an is_alive() check (startup polls
-  every worker; rendezvous and collectives are bounded by the process group's timeout), so a
-  crashed or killed worker surfaces as an exception, never a hang.
+  every worker, and rank 0 joins the rendezvous only once every worker says it is joining too;
+  rendezvous and collectives are bounded by the process group's timeout), so a crashed or killed
+  worker surfaces as an exception, never a hang.
 """
 from __future__ import annotations
 
@@ -65,24 +66,34 @@ class Workers:
     def pids(self) -> list[int]:
         return [proc.pid for proc in self.procs]
 
+    def wait_connecting(self) -> None:
+        """Until every worker has imported torch and is about to join the process group. A spawned
+        process can take longer than the group's rendezvous timeout to get there on a busy
+        machine (seen: a TP engine started beside 14 busy processes), so rank 0 joins only then."""
+        self._wait_for("connecting")
+
     def wait_ready(self) -> list[int]:
         """Each worker's own num_kvcache_blocks once its model is built; raises if one fails."""
-        blocks: dict[int, int] = {}
+        return self._wait_for("ready")
+
+    def _wait_for(self, expected: str) -> list[Any]:
+        """Every worker's next message, which must be `expected`; polls liveness, bounded by STARTUP_TIMEOUT_S."""
+        payloads: dict[int, Any] = {}
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while len(blocks) < len(self.procs):
+        while len(payloads) < len(self.procs):
             for i, (proc, conn) in enumerate(zip(self.procs, self.conns)):
-                if i in blocks:
+                if i in payloads:
                     continue
                 if not proc.is_alive():
                     raise self.dead_worker_error(i, STARTUP_HINT)
                 if conn.poll(0.05):
                     kind, payload = self._recv(i, STARTUP_HINT)
-                    if kind != "ready":
+                    if kind != expected:
                         raise RuntimeError(f"tensor-parallel worker rank {i + 1} sent {kind!r} while starting")
-                    blocks[i] = payload
+                    payloads[i] = payload
             if time.monotonic() > deadline:
                 raise RuntimeError(f"tensor-parallel workers did not start within {STARTUP_TIMEOUT_S:.0f} s")
-        return [blocks[i] for i in range(len(self.procs))]
+        return [payloads[i] for i in range(len(self.procs))]
 
     def _recv(self, i: int, when: str = "") -> tuple[str, Any]:
         try:
