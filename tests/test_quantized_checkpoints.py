@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from helpers import random_prompts
 from nanoserve import LLM, SamplingParams
 from nanoserve.kernels.cpu_gemm import Int4Gemm, Int8Gemm
+from nanoserve.layers.linear import LinearBase
 from nanoserve.quantization.checkpoint import open_checkpoint
 from nanoserve.quantization.pack import write_quantized_checkpoint
 from nanoserve.quantization.weight import QuantizedWeight
@@ -100,7 +101,7 @@ def test_greedy_tokens_equal_hf_on_the_dequantized_weights(checkpoints, hf, monk
     path, twin, _ = checkpoints[name]
     llm = LLM(path, **ENGINE)
     assert llm.engine.config.quantization == METHODS[CASES[name][0]]
-    gemms = [m.gemm for m in llm.engine.model_runner.model.modules() if hasattr(m, "make_quantized")]
+    gemms = [m.gemm for m in llm.engine.model_runner.model.modules() if isinstance(m, LinearBase)]
     if llm.engine.model_runner.backend.int8 is not None and name != "fp8":  # the integers run as they are
         expected = Int4Gemm if _int4(name) and int8_path == "w4a16" else Int8Gemm
         assert gemms and all(type(g) is expected for g in gemms)
@@ -123,7 +124,7 @@ def test_int4_runs_w4a8_by_default_within_the_accuracy_gate(checkpoints, name):
     llm = LLM(path, **ENGINE)
     if llm.engine.model_runner.backend.int8 is None:
         pytest.skip("no AVX2/FMA build of the CPU kernels")
-    gemms = [m.gemm for m in llm.engine.model_runner.model.modules() if hasattr(m, "make_quantized")]
+    gemms = [m.gemm for m in llm.engine.model_runner.model.modules() if isinstance(m, LinearBase)]
     assert gemms and all(isinstance(g, Int4Gemm) and g.weight.w4a8 for g in gemms)
     assert llm.engine.model_runner.backend.describe()["quantized linears"] == "int4 W4A8"  # what bench.py prints
     del llm
@@ -293,3 +294,42 @@ def test_the_quantization_argument_must_agree_with_the_checkpoint(checkpoints, t
             LLM(path, quantization=wrong, **ENGINE)
     with pytest.raises(ValueError, match=r"quantization='fp8' is not supported \(.*config.json has no quantization_config"):
         LLM(tiny_model, quantization="fp8")
+
+
+# ---- a quantized LM head (GPTQModel's "lm_head": true, vLLM's lm_head_quantized) ---------------
+
+
+@pytest.mark.parametrize("model, options", [("tied-gqa2", {}), ("untied-gqa4", dict(sym=False, act_order=True))])
+def test_a_quantized_lm_head_runs_its_integers(model_dirs, hf, tmp_path, monkeypatch, model, options):
+    """The head's integers run through the int4 GEMM like any layer's (exact W4A16: HF's tokens on
+    the float twin); a tied head unties, the embedding staying float; TP 2 splits it by vocab rows."""
+    dst, twin = str(tmp_path / "q"), str(tmp_path / "f")
+    dequantized = write_quantized_checkpoint(model_dirs[model], dst, "gptq", twin, lm_head=True, **options)
+    assert "lm_head.weight" in dequantized
+    monkeypatch.setenv("NANOSERVE_CPU_INT8", "w4a16")
+    prompts = random_prompts(3, 4, 12, seed=8)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    llm = LLM(dst, **ENGINE)
+    head = llm.engine.model_runner.model.lm_head
+    if llm.engine.model_runner.backend.int8 is not None:  # prepare_quantized_logits' wrapper holds the int4 GEMM
+        assert any(isinstance(cell.cell_contents, Int4Gemm) for cell in head.gemm.__closure__)
+    assert head.weight is None and not head._tied_to
+    outputs = llm.generate(requests, GREEDY, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        assert list(out.outputs[0].token_ids) == hf.greedy(twin, prompt, GREEDY.max_tokens)
+    # The same tensors under a config that still says tie_word_embeddings: the head unties and loads.
+    tied = tmp_path / "tied"
+    tied.mkdir()
+    for name in os.listdir(dst):
+        if name != "config.json":
+            os.symlink(os.path.join(dst, name), tied / name)
+    with open(os.path.join(dst, "config.json")) as f:
+        config = json.load(f)
+    (tied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    again = LLM(str(tied), **ENGINE).generate(requests, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outputs]
+    if options.get("act_order"):
+        return  # an act-order MLP cannot be split across ranks (test_tensor_parallel_refuses_...)
+    with LLM(dst, tensor_parallel_size=2, **ENGINE) as tp2:
+        sharded = tp2.generate(requests, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in sharded] == [o.outputs[0].token_ids for o in outputs]

@@ -64,6 +64,12 @@ class Backend:
         gemm = self.prepare_linear(weight, None)
         return lambda x: gemm(x).float()
 
+    def prepare_quantized_logits(self, weight: QuantizedWeight) -> LinearFn:
+        """A checkpoint's quantized LM head (GPTQ's "lm_head": true): float32 logits through the
+        backend's quantized GEMM, like any quantized linear layer's."""
+        gemm = self.prepare_quantized_linear(weight, None)
+        return lambda x: gemm(x).float()
+
     def logits_rows(self, logits: LinearFn) -> RowsFn | None:
         """Rows of the weight `logits` (from prepare_logits) was prepared from, read back from the
         GEMM's own copy bit for bit, where it can; None otherwise. A tied embedding then looks its

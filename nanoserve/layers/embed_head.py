@@ -14,6 +14,7 @@ from torch import nn
 
 from nanoserve.layers.context import ModelContext
 from nanoserve.layers.linear import weights_not_loaded
+from nanoserve.quantization.weight import QuantizedWeight
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -68,7 +69,30 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = embedding.weight
         self._tied_to = [embedding]
 
+    def make_quantized(self, group_size: int, act_order: bool) -> None:
+        """Hold a quantized checkpoint's head (GPTQ's "lm_head": true, vLLM's lm_head_quantized) as
+        its integers [vocab shard, hidden] and per-group scales, sharded by vocabulary rows like the
+        float weight. A tied head unties: the embedding keeps the float matrix it was given."""
+        hidden, device = self.weight.shape[1], self.weight.device
+        self._tied_to = []
+        self.group_size = min(group_size, hidden)
+        groups = -(-hidden // self.group_size)
+        self.weight = nn.Parameter(torch.empty(self.shard_size, hidden, dtype=torch.int8, device=device),
+                                   requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(self.shard_size, groups, device=device), requires_grad=False)
+        # Both are [vocab, *] in the file: this shard's rows, like the float weight's.
+        self.weight.weight_loader = self.weight_scale.weight_loader = self.weight_loader
+        if act_order:  # the input permutation, whole on every rank
+            self.weight_perm = nn.Parameter(torch.empty(hidden, dtype=torch.int64, device=device),
+                                            requires_grad=False)
+
     def process_weights_after_loading(self) -> None:
+        if self.weight.dtype == torch.int8:  # make_quantized
+            perm = self.weight_perm.data if hasattr(self, "weight_perm") else None
+            quantized = QuantizedWeight(self.weight.data, self.weight_scale.data, self.group_size, perm)
+            self.gemm = self.backend.prepare_quantized_logits(quantized)
+            self.weight = self.weight_scale = self.weight_perm = None
+            return
         self.gemm = self.backend.prepare_logits(self.weight)
         if not self.backend.packs_weights:
             return

@@ -97,7 +97,9 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
     if quantized is not None:
         tensors = quantized.stream(tensors, bind_quantized_layers(model, quantized))
     params = dict(model.named_parameters())  # tied weights appear once, under their first name
-    tied = getattr(model, "tie_word_embeddings", False)
+    # A tied head shares the embedding's parameter (listed once, under the embedding's name); a
+    # quantized head is its own (ParallelLMHead.make_quantized unties it).
+    tied = getattr(model, "tie_word_embeddings", False) and "lm_head.weight" not in params
     loaded: set[str] = set()
     for path, name, tensor in tensors:
         if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):

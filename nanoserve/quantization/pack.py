@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from nanoserve.quantization.awq import ORDER as AWQ_ORDER
 
-# the linear weights a packer quantizes (Llama/Qwen names); others (embeddings, norms, lm_head) stay float
+# the linear weights a packer quantizes (Llama/Qwen names); others (embeddings, norms, lm_head unless asked) stay float
 LINEAR = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")
 FP8_MAX = 448.0  # the largest float8_e4m3fn
 
@@ -160,30 +160,41 @@ def quantization_config(kind: str, bits=4, group_size=32, sym=True, act_order=Fa
 
 
 def write_quantized_checkpoint(src: str, dst: str, kind: str, float_dst: str | None = None, skip=(),
-                               **options) -> dict[str, torch.Tensor]:
+                               lm_head: bool = False, **options) -> dict[str, torch.Tensor]:
     """Quantize every linear weight of the float checkpoint `src` (except modules matching `skip`)
     with PACKERS[kind](weight, **options), write it to `dst` with its quantization_config and, if
-    float_dst is given, the float32 twin there. Returns the dequantized weights by tensor name."""
+    float_dst is given, the float32 twin there. Returns the dequantized weights by tensor name.
+    lm_head (GPTQ only): quantize the LM head too, GPTQModel's "lm_head": true; a tied head is
+    written as its own lm_head (both configs then untied; the embedding stays float)."""
     tensors: dict[str, torch.Tensor] = {}
     for name in sorted(os.listdir(src)):
         if name.endswith(".safetensors"):
             with safe_open(os.path.join(src, name), framework="pt") as f:
                 tensors.update({key: f.get_tensor(key) for key in f.keys()})
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    if lm_head:
+        if kind != "gptq":
+            raise ValueError(f"lm_head=True is written for kind 'gptq' only, got {kind!r}")
+        tensors.setdefault("lm_head.weight", tensors["model.embed_tokens.weight"])
+        config["tie_word_embeddings"] = False
     packed, twin, dequantized = {}, {}, {}
     for name, tensor in tensors.items():
         module = name.rpartition(".")[0]
-        if LINEAR.search(name) and not any(re.search(p, module) for p in skip):
+        quantize = LINEAR.search(name) or (lm_head and name == "lm_head.weight")
+        if quantize and not any(re.search(p, module) for p in skip):
             parts, dq = PACKERS[kind](tensor.float(), **options)
             packed.update({f"{module}.{suffix}": t.contiguous() for suffix, t in parts.items()})
             twin[name] = dequantized[name] = dq
         else:
             packed[name] = tensor
             twin[name] = tensor.float()
-    with open(os.path.join(src, "config.json")) as f:
-        config = json.load(f)
     qcfg_options = {k: v for k, v in options.items() if k in ("bits", "group_size", "sym", "act_order", "version",
                                                               "block", "w8a8")}
-    quantized_config = {**config, "quantization_config": quantization_config(kind, **qcfg_options)}
+    qcfg = quantization_config(kind, **qcfg_options)
+    if kind == "gptq":
+        qcfg["lm_head"] = lm_head
+    quantized_config = {**config, "quantization_config": qcfg}
     for out, weights, cfg in ((dst, packed, quantized_config), (float_dst, twin, {**config, "torch_dtype": "float32"})):
         if out is None:
             continue
@@ -210,6 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--asym", action="store_true", help="zero points per group (GPTQ, compressed-tensors)")
     p.add_argument("--act-order", action="store_true", help="GPTQ desc_act / compressed-tensors actorder group")
+    p.add_argument("--lm-head", action="store_true", help="GPTQ: quantize the LM head too (GPTQModel's lm_head)")
     p.add_argument("--float-twin", help="also write the dequantized float32 weights here")
     args = p.parse_args(argv)
     options = {"gptq": dict(bits=args.bits, group_size=args.group_size, sym=not args.asym, act_order=args.act_order),
@@ -217,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
                "ct-pack": dict(bits=args.bits, group_size=args.group_size, sym=not args.asym,
                                act_order=args.act_order),
                "ct-int8": {}, "fp8": {}}[args.kind]
-    write_quantized_checkpoint(args.src, args.dst, args.kind, args.float_twin, **options)
+    write_quantized_checkpoint(args.src, args.dst, args.kind, args.float_twin, lm_head=args.lm_head, **options)
     print(f"wrote {args.dst} ({args.kind}, {options})")
 
 
