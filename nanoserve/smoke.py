@@ -11,7 +11,9 @@ near-exact tie of the reference's top 2 forgives one. The rows cover what the RE
   * head_dim 64, 80, 96, 128 and 256 on the Triton and flash-attn backends;
   * the old paths of the CUDA speed work (NANOSERVE_TRITON_FUSED_OPS=0, _PREFILL=key, _MOE_TILES=fixed);
   * a decode past 8k context (a multi-split decode) over a KV cache whose per-layer views pass 2^31
-    elements, with the sequences placed in its last blocks.
+    elements, with the sequences placed in its last blocks;
+  * every architecture (Qwen3, Llama, Qwen2, Mistral, Qwen3-MoE) in float32 on the torch and Triton
+    backends against HF transformers' own model on the GPU, token for token (`hf_parity`).
 Rows that cannot run here (one GPU, no usable flash-attn) are listed with the reason. Then a short
 throughput run on a random Qwen3-0.6B. Without a GPU it says so and exits 0 (`--plan` lists the rows).
 """
@@ -55,6 +57,10 @@ def prompts(vocab: int) -> list[list[int]]:
     return [shared + t for t in tails] + tails
 
 
+def first_divergence(got: list[int], want: list[int]) -> int | None:
+    return next((t for t, (a, b) in enumerate(zip(got, want)) if a != b), None)
+
+
 def _rank(logprobs: dict, token: int) -> int | None:
     return logprobs[token].rank if token in logprobs else None
 
@@ -78,7 +84,7 @@ def agreement(outputs, reference, dtype: str) -> tuple[int, int, list[str]]:
     for i, (out, ref) in enumerate(zip(outputs, reference)):
         for o, r in zip(out.outputs, ref.outputs):
             total += 1
-            first = next((t for t, (a, b) in enumerate(zip(o.token_ids, r.token_ids)) if a != b), None)
+            first = first_divergence(o.token_ids, r.token_ids)
             if first is None:
                 ok += 1
                 continue
@@ -169,6 +175,64 @@ def run_case(case: Case, path: str, reqs, params, settings: dict, reference) -> 
     return f"{'ok' if ok == total else 'MISMATCH'}: {ok}/{total} streams agree ({elapsed:.1f} s){where}"
 
 
+HF_ARCHS = ("qwen3", "llama", "qwen2", "mistral", "qwen3_moe")  # their tiny random configs (tiny_configs.py)
+
+
+@torch.inference_mode()
+def hf_greedy(path: str, reqs: list[list[int]], max_tokens: int, device: str) -> list[tuple[list[int], list[float]]]:
+    """HF transformers' own model, float32 on `device`: each prompt's greedy tokens and the gap
+    between its top-2 logits at every step."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    answers = []
+    for prompt in reqs:
+        out = model.generate(torch.tensor([prompt], device=device), do_sample=False, max_new_tokens=max_tokens,
+                             min_new_tokens=max_tokens, eos_token_id=None, pad_token_id=0, output_logits=True,
+                             return_dict_in_generate=True)
+        gaps = [float(top[0] - top[1]) for top in (step[0].float().topk(2).values for step in out.logits)]
+        answers.append((out.sequences[0, len(prompt):].tolist(), gaps))
+    return answers
+
+
+def hf_parity(device: str = "cuda", backends=("torch", "triton"), graphs=(False, True), archs=HF_ARCHS,
+              max_tokens: int = 16) -> list[tuple[str, str]]:
+    """float32 greedy tokens of every architecture against HF's model on the same device (TF32 off),
+    token for token (a reference top-2 gap under FP32_NEAR_TIE forgives a divergence), each batch
+    twice so the second run hits the prefix cache, every KV block free afterwards: (row, result)."""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    g = torch.Generator().manual_seed(2)
+    shared = torch.randint(3, 900, (40,), generator=g).tolist()
+    reqs = [torch.randint(3, 900, (n,), generator=g).tolist() for n in (1, 7, 64, 200)]
+    reqs += [shared + torch.randint(3, 900, (n,), generator=g).tolist() for n in (3, 30)]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    rows = []
+    for arch in archs:
+        path = ensure_tiny_checkpoint(f"smoke-hf-{arch}", arch)
+        reference = hf_greedy(path, reqs, max_tokens, device)
+        for backend, graph in ((b, g) for b in backends for g in graphs if not (b == "torch" and g)):
+            name = getattr(backend, "__name__", backend)  # a name or a Backend subclass
+            label = f"{arch:<10} {name:<10} fp32 graphs {'on ' if graph else 'off'} vs HF"
+            try:
+                with LLM(path, device=device, dtype="float32", attention_backend=backend, enforce_eager=not graph,
+                         kvcache_block_size=16, max_model_len=512, max_num_batched_tokens=128) as llm:
+                    runs = [llm.generate(reqs, params, use_tqdm=False) for _ in range(2)]
+                    held = sum(block.ref_count > 0 for block in llm.engine.block_manager.pool.blocks)
+            except Exception as e:  # a row per failure
+                rows.append((label, f"ERROR {type(e).__name__}: {str(e).splitlines()[0][:80]}"))
+                continue
+            diverged = []
+            for outs in runs:
+                for i, (out, (tokens, gaps)) in enumerate(zip(outs, reference)):
+                    t = first_divergence(out.outputs[0].token_ids, tokens)
+                    if t is not None and gaps[t] >= FP32_NEAR_TIE:
+                        diverged.append(f"prompt {i} token {t} (HF top-2 gap {gaps[t]:.2e})")
+            ok = not diverged and not held
+            detail = f"; {', '.join(diverged[:3])}" if diverged else f"; {held} KV blocks still held" if held else ""
+            rows.append((label, f"{'ok' if ok else 'MISMATCH'}: {len(reqs)} prompts x 2 runs{detail}"))
+    return rows
+
+
 def throughput(num_requests: int) -> str:
     model = ensure_tiny_qwen3("qwen3-0.6b-random", **QWEN3_0_6B)
     g = torch.Generator().manual_seed(1)
@@ -213,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
             for case in (c for c in cases if c.model == model and c.dtype == dtype):
                 rows.append((case, run_case(case, path, reqs, params, settings, reference)))
                 print(f"{case}  {rows[-1][1]}", flush=True)
+    for label, status in hf_parity():
+        rows.append((label, status))
+        print(f"{label}  {status}", flush=True)
     print("\n| row | result |\n|---|---|")
     for case, status in rows:
         print(f"| {case} | {status} |")

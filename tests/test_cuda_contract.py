@@ -333,3 +333,23 @@ def test_a_cpu_backend_subclass_on_cuda_is_a_clear_error():
 
     with pytest.raises(ValueError, match="Instrumented is a CPU backend: it runs with device='cpu'"):
         select_backend(torch.device("cuda"), torch.bfloat16, Instrumented, None, 64)
+
+
+def test_the_smoke_compares_every_architecture_with_hf_and_catches_a_wrong_kernel():
+    """hf_parity runs on any device: here on the CPU, where every architecture matches HF exactly,
+    and a backend whose attention is slightly off (softmax scale x 1.05) is reported, not passed."""
+    from nanoserve import smoke
+    from nanoserve.backends.cpu import CPUBackend
+
+    rows = smoke.hf_parity(device="cpu", backends=("cpu",), graphs=(False,), archs=("qwen3", "qwen3_moe"))
+    assert len(rows) == 2 and all(result.startswith("ok:") for _, result in rows), rows
+
+    class OffScale(CPUBackend):
+        def prefill(self, q, k, v, k_cache, v_cache, meta, scale):
+            return super().prefill(q, k, v, k_cache, v_cache, meta, scale * 1.05)
+
+        def decode(self, q, k_cache, v_cache, meta, scale):
+            return super().decode(q, k_cache, v_cache, meta, scale * 1.05)
+
+    ((label, result),) = smoke.hf_parity(device="cpu", backends=(OffScale,), graphs=(False,), archs=("llama",))
+    assert "OffScale" in label and result.startswith("MISMATCH") and "HF top-2 gap" in result
