@@ -200,7 +200,15 @@ def hf_parity(device: str = "cuda", backends=("torch", "triton"), graphs=(False,
     """float32 greedy tokens of every architecture against HF's model on the same device (TF32 off),
     token for token (a reference top-2 gap under FP32_NEAR_TIE forgives a divergence), each batch
     twice so the second run hits the prefix cache, every KV block free afterwards: (row, result)."""
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # the caller's back after
+    try:
+        return _hf_parity_rows(device, backends, graphs, archs, max_tokens)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def _hf_parity_rows(device: str, backends, graphs, archs, max_tokens: int) -> list[tuple[str, str]]:
     g = torch.Generator().manual_seed(2)
     shared = torch.randint(3, 900, (40,), generator=g).tolist()
     reqs = [torch.randint(3, 900, (n,), generator=g).tolist() for n in (1, 7, 64, 200)]
