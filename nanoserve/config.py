@@ -82,6 +82,7 @@ class Config:
         model_class(self.hf_config, source).check_config(self.hf_config, source, self.tensor_parallel_size)
         max_pos = int(self.hf_config.get("max_position_embeddings", 4096))
         window = sliding_window(self.hf_config)
+        max_model_len_given = self.max_model_len is not None
         if self.max_model_len is None:
             self.max_model_len = min(4096, max_pos, window or max_pos)
         elif self.max_model_len > max_pos:
@@ -89,7 +90,7 @@ class Config:
                 f"max_model_len={self.max_model_len} exceeds the checkpoint's "
                 f"max_position_embeddings={max_pos}"
             )
-        self._resolve_pooling(source)
+        self._resolve_pooling(source, max_model_len_given)
         self._resolve_step_budget()
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
@@ -108,8 +109,9 @@ class Config:
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls) if f.name not in ("model", "hf_config", "pooling")}
 
-    def _resolve_pooling(self, source: str) -> None:
-        """The runner, and for a pooling one how it pools (nanoserve/pooling/config.py)."""
+    def _resolve_pooling(self, source: str, max_model_len_given: bool) -> None:
+        """The runner, and for a pooling one how it pools (nanoserve/pooling/config.py); a
+        sentence-transformers checkpoint's max_seq_length is its default max_model_len (as vLLM's)."""
         self.runner = resolve_runner(self.runner, self.hf_config, source)
         self.pooler_config = PoolerConfig.coerce(self.pooler_config)
         if self.runner != "pooling":
@@ -119,6 +121,8 @@ class Config:
         if self.tensor_parallel_size > 1:
             raise ValueError("runner='pooling' runs with tensor_parallel_size=1 only")
         self.pooling = resolve_pooling(self.model, self.hf_config, self.pooler_config)
+        if not max_model_len_given and self.pooling.max_seq_length is not None:
+            self.max_model_len = min(self.max_model_len, self.pooling.max_seq_length)
 
     def _resolve_step_budget(self) -> None:
         """The default token budget of a step, when none was given. Embedding on the CPU runs

@@ -236,6 +236,54 @@ def test_step_budget_default_is_per_runner_and_device(ckpts, tiny_model):
         Config(ckpts["last"], **{**POOLING, "max_model_len": longest}, enable_chunked_prefill=False)
 
 
+def test_sentence_bert_config_lowercases_and_caps_the_default_length(tmp_path):
+    # sentence_bert_config.json: do_lower_case (sentence-transformers and vLLM lowercase every text)
+    # and max_seq_length (vLLM's default max_model_len; sentence-transformers cuts longer texts).
+    path = build_tiny_embedding_checkpoint(tmp_path / "lower", seed=6, max_seq_length=24)
+    _edit_json(path + "/sentence_bert_config.json", do_lower_case=True)
+    texts = ["Hello World", "THE Quick Brown FOX", "hello world"]
+    unset = {k: v for k, v in POOLING.items() if k != "max_model_len"}
+    with LLM(path, **unset) as llm:
+        assert llm.config.max_model_len == 24
+        outs = llm.embed(texts, use_tqdm=False)
+        assert outs[0].prompt_token_ids == outs[2].prompt_token_ids
+        for out, expected in zip(outs, st_encode(path, texts)):
+            assert cosine(out.outputs.embedding, expected) >= 0.9999
+        with pytest.raises(ValueError, match="longer than max_model_len=24"):
+            llm.embed(["once upon a time " * 10])
+    with LLM(path, **unset, max_model_len=64) as llm:  # an explicit length is kept
+        assert llm.config.max_model_len == 64
+
+
+def test_config_sentence_transformers_truncate_dim_and_matryoshka(tmp_path):
+    # truncate_dim: sentence-transformers cuts every vector to it, so a request asking for no size does
+    # too (and may ask for another); matryoshka keys there count as they do in config.json.
+    path = build_tiny_embedding_checkpoint(tmp_path / "cut", seed=7, matryoshka=False)
+    _write_json(path + "/config_sentence_transformers.json", {"truncate_dim": 16, "prompts": {"query": "q: "}})
+    with LLM(path, **POOLING) as llm:
+        outs = llm.embed(DOCS[:3], use_tqdm=False)
+        for out, expected in zip(outs, st_encode(path, DOCS[:3])):
+            assert out.outputs.hidden_size == expected.shape[0] == 16
+            assert cosine(out.outputs.embedding, expected) >= 0.9999
+        full = llm.embed(DOCS[:1], PoolingParams(dimensions=64), use_tqdm=False)[0]
+        np.testing.assert_allclose(torch.nn.functional.normalize(torch.tensor(full.outputs.embedding[:16]), dim=0),
+                                   outs[0].outputs.embedding, atol=1e-5)
+    _write_json(path + "/config_sentence_transformers.json", {"matryoshka_dimensions": [8, 16]})
+    with LLM(path, **POOLING) as llm:
+        assert llm.embed(["hi"], PoolingParams(dimensions=8), use_tqdm=False)[0].outputs.hidden_size == 8
+        assert llm.embed(["hi"], use_tqdm=False)[0].outputs.hidden_size == 64
+        with pytest.raises(ValueError, match="matryoshka_dimensions"):
+            llm.embed(["hi"], PoolingParams(dimensions=12))
+    _write_json(path + "/config_sentence_transformers.json", {"truncate_dim": 65})
+    with pytest.raises(ValueError, match="truncate_dim must be an int in \\[1, hidden_size=64\\]"):
+        LLM(path, **POOLING)
+
+
+def _write_json(path: str, data) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f)
+
+
 def _edit_json(path: str, **changes) -> None:
     with open(path) as f:
         data = json.load(f)

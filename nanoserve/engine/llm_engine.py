@@ -21,6 +21,7 @@ from nanoserve.engine.sequence import Sequence
 from nanoserve.inputs import PromptType
 from nanoserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from nanoserve.engine.pooling_requests import PoolingSpec, finish_pooling_request, make_pooling_request
+from nanoserve.pooling.tokenizer import lowercase_inputs
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.structured.manager import StructuredOutputManager
 
@@ -63,6 +64,8 @@ class LLMEngine:
     def __init__(self, config: Config) -> None:
         self.config = config
         tokenizer = load_tokenizer(config.tokenizer)
+        if config.pooling is not None and config.pooling.lower_case:
+            lowercase_inputs(tokenizer)
         self.generation_config = read_generation_config(config.model)
         self.eos_token_ids = eos_token_ids(tokenizer, self.generation_config)
         self.vocab_size = config.hf_config["vocab_size"]

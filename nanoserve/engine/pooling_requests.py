@@ -65,8 +65,10 @@ def validate_pooling_request(
             "pass truncate_prompt_tokens to keep its last tokens"
         )
     _check_dimensions(params.dimensions, pooling.hidden_size, pooling.matryoshka_dimensions)
+    # None: the checkpoint's size (config_sentence_transformers.json truncate_dim, else hidden_size)
+    dimensions = params.dimensions if params.dimensions is not None else pooling.default_dimensions
     normalize = params.wants_normalize
-    return PoolingSpec(ids, params.dimensions, pooling.normalize if normalize is None else normalize)
+    return PoolingSpec(ids, dimensions, pooling.normalize if normalize is None else normalize)
 
 
 def tokenize(tokenizer, text: str, encode_kwargs: dict | None = None) -> list[int]:
@@ -92,8 +94,9 @@ def _check_dimensions(dimensions: int | None, hidden_size: int, matryoshka: tupl
         return
     if matryoshka is None:
         raise ValueError(
-            f"dimensions={dimensions}: this model does not support Matryoshka embeddings (config.json has "
-            "neither is_matryoshka nor matryoshka_dimensions); leave dimensions=None"
+            f"dimensions={dimensions}: this model does not support Matryoshka embeddings (neither config.json nor "
+            "config_sentence_transformers.json has is_matryoshka, matryoshka_dimensions or truncate_dim); "
+            "leave dimensions=None"
         )
     if dimensions > hidden_size:
         raise ValueError(f"dimensions={dimensions} exceeds the model's hidden_size={hidden_size}")

@@ -3,11 +3,14 @@
 Read as vLLM and sentence-transformers read them: the runner from `runner=` (or vLLM's older
 `task=` / `convert=`), "auto" deciding by the architecture name; the pooling from the
 checkpoint's sentence-transformers files (`modules.json` -> its Pooling module's
-`config.json`, a `Normalize` module), which `LLM(pooler_config=...)` may override.
+`config.json`, a `Normalize` module), which `LLM(pooler_config=...)` may override; the input
+side from `sentence_bert_config.json` (`max_seq_length`, `do_lower_case`) and the output size
+from `config_sentence_transformers.json` (`truncate_dim`).
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 
@@ -33,6 +36,16 @@ _ST_LEGACY_KEYS = {
 # conversion of it: the last token, normalised.
 DEFAULT_POOLING_TYPE = "LAST"
 DEFAULT_NORMALIZE = True
+# Where sentence-transformers' Transformer module keeps max_seq_length / do_lower_case (vLLM
+# reads the same list, first found wins).
+ST_INPUT_CONFIGS = (
+    "sentence_bert_config.json", "sentence_roberta_config.json", "sentence_distilbert_config.json",
+    "sentence_camembert_config.json", "sentence_albert_config.json", "sentence_xlm-roberta_config.json",
+    "sentence_xlnet_config.json",
+)
+ST_MODEL_CONFIG = "config_sentence_transformers.json"
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -86,6 +99,11 @@ class Pooling:
     normalize: bool
     hidden_size: int
     matryoshka_dimensions: tuple[int, ...] | None  # None: no Matryoshka; () any size up to hidden_size
+    # config_sentence_transformers.json `truncate_dim`: the size a request gets when it asks for none
+    # (sentence-transformers cuts every vector to it by default).
+    default_dimensions: int | None = None
+    lower_case: bool = False  # sentence_bert_config.json `do_lower_case`: texts are lowercased first
+    max_seq_length: int | None = None  # sentence_bert_config.json: caps the default max_model_len
 
     @property
     def uses_prefix_cache(self) -> bool:
@@ -147,20 +165,84 @@ def resolve_pooling(model_dir: str, hf_config: dict, override: PoolerConfig | No
         pooling_type = override.pooling_type or pooling_type
         if override.wants_normalize is not None:
             normalize = override.wants_normalize
+    hidden_size = int(hf_config["hidden_size"])
+    st_model = _read_st_model_config(model_dir)
+    default_dimensions = _truncate_dim(st_model, hidden_size, model_dir)
+    matryoshka = matryoshka_dimensions(hf_config, st_model)
+    if matryoshka is None and default_dimensions is not None:
+        matryoshka = ()  # the checkpoint says its vectors are meant to be cut: any size may be asked
+    max_seq_length, lower_case = read_sentence_transformers_inputs(model_dir)
     return Pooling(
         pooling_type=pooling_type or DEFAULT_POOLING_TYPE,
         normalize=DEFAULT_NORMALIZE if normalize is None else normalize,
-        hidden_size=int(hf_config["hidden_size"]),
-        matryoshka_dimensions=matryoshka_dimensions(hf_config),
+        hidden_size=hidden_size,
+        matryoshka_dimensions=matryoshka,
+        default_dimensions=default_dimensions,
+        lower_case=lower_case,
+        max_seq_length=max_seq_length,
     )
 
 
-def matryoshka_dimensions(hf_config: dict) -> tuple[int, ...] | None:
-    """vLLM's rule: config.json `matryoshka_dimensions` (the sizes allowed) or `is_matryoshka` (any)."""
-    dims = hf_config.get("matryoshka_dimensions")
-    if dims:
-        return tuple(int(d) for d in dims)
-    return () if hf_config.get("is_matryoshka") else None
+def matryoshka_dimensions(hf_config: dict, st_model_config: dict | None = None) -> tuple[int, ...] | None:
+    """vLLM's rule: config.json `matryoshka_dimensions` (the sizes allowed) or `is_matryoshka` (any);
+    the same keys in config_sentence_transformers.json where config.json has neither."""
+    for cfg in (hf_config, st_model_config or {}):
+        dims = cfg.get("matryoshka_dimensions")
+        if dims:
+            return tuple(int(d) for d in dims)
+        if cfg.get("is_matryoshka"):
+            return ()
+    return None
+
+
+def _read_st_model_config(model_dir: str) -> dict:
+    """config_sentence_transformers.json ({} without one); warns about the prompt that
+    sentence-transformers prepends by default and nanoserve, as vLLM, does not."""
+    path = os.path.join(model_dir, ST_MODEL_CONFIG)
+    if not os.path.isfile(path):
+        return {}
+    cfg = read_json(path)
+    default_prompt = cfg.get("default_prompt_name")
+    if default_prompt:
+        logger.warning(
+            "%s: default_prompt_name=%r: sentence-transformers prepends that prompt to every text; nanoserve "
+            "(as vLLM) embeds the text as given, so prepend it yourself", path, default_prompt,
+        )
+    return cfg
+
+
+def _truncate_dim(st_model_config: dict, hidden_size: int, model_dir: str) -> int | None:
+    value = st_model_config.get("truncate_dim")
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= hidden_size:
+        raise ValueError(
+            f"{os.path.join(model_dir, ST_MODEL_CONFIG)}: truncate_dim must be an int in [1, hidden_size="
+            f"{hidden_size}], got {value!r}"
+        )
+    return value
+
+
+def read_sentence_transformers_inputs(model_dir: str) -> tuple[int | None, bool]:
+    """(max_seq_length or None, do_lower_case) from sentence_bert_config.json (or a sibling name)."""
+    for name in ST_INPUT_CONFIGS:
+        path = os.path.join(model_dir, name)
+        if not os.path.isfile(path):
+            continue
+        cfg = read_json(path)
+        max_len, lower = cfg.get("max_seq_length"), cfg.get("do_lower_case", False)
+        if max_len is not None and (not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1):
+            raise ValueError(f"{path}: max_seq_length must be an int >= 1 or null, got {max_len!r}")
+        if not isinstance(lower, bool):
+            raise ValueError(f"{path}: do_lower_case must be true or false, got {lower!r}")
+        if "message" in (cfg.get("modality_config") or {}):
+            logger.warning(
+                "%s: modality_config lists 'message': sentence-transformers >= 6 renders every text through "
+                "the tokenizer's chat template; nanoserve (as vLLM) embeds the text as given, so render it "
+                "yourself (apply_chat_template, then tokenization_kwargs={'add_special_tokens': False})", path,
+            )
+        return max_len, lower
+    return None, False
 
 
 def read_sentence_transformers_pooling(
