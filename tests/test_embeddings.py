@@ -279,6 +279,18 @@ def test_config_sentence_transformers_truncate_dim_and_matryoshka(tmp_path):
         LLM(path, **POOLING)
 
 
+def test_include_prompt_false_pools_every_token_as_vllm(tmp_path):
+    # sentence-transformers drops only a prompt passed apart from the text (encode(prompt=...)); a
+    # prompt given to nanoserve is part of the text, so, as vLLM, every token is pooled: the same
+    # vector as sentence-transformers' for the text alone.
+    path = build_tiny_embedding_checkpoint(tmp_path / "no_prompt", seed=8, pooling_mode="mean")
+    _edit_json(path + "/1_Pooling/config.json", include_prompt=False)
+    with LLM(path, **POOLING) as llm:
+        assert llm.config.pooling.pooling_type == "MEAN"
+        for out, expected in zip(llm.embed(DOCS[:3], use_tqdm=False), st_encode(path, DOCS[:3])):
+            assert cosine(out.outputs.embedding, expected) >= 0.9999
+
+
 def _write_json(path: str, data) -> None:
     with open(path, "w") as f:
         json.dump(data, f)

@@ -293,6 +293,11 @@ def _read_pooling_module(module_dir: str) -> str:
             f"{path}: pooling mode {mode!r} is not supported; nanoserve pools with one of "
             f"{tuple(_ST_MODES)}"
         )
-    if cfg.get("include_prompt") is False and mode != "lasttoken":
-        raise ValueError(f"{path}: include_prompt: false (pooling without the instruction) is not supported")
+    if cfg.get("include_prompt") is False and mode == "mean":
+        # sentence-transformers leaves out the prompt it is given separately (encode(prompt=...));
+        # a prompt here is part of the text, so every token is pooled, as vLLM does too.
+        logger.warning(
+            "%s: include_prompt: false: nanoserve (as vLLM) mean-pools every token of the prompt it is "
+            "given, an instruction prepended to the text included", path,
+        )
     return _ST_MODES[mode]
