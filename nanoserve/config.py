@@ -65,6 +65,9 @@ class Config:
     # "generate", "pooling" (embeddings: nanoserve/pooling) or "auto" (by architecture name, as vLLM).
     runner: str = "auto"
     pooler_config: PoolerConfig | dict | None = None  # overrides the checkpoint's pooling (runner="pooling")
+    # vLLM's hf_overrides (a dict): config.json fields replaced before anything reads them, e.g.
+    # {"is_matryoshka": True} for Qwen3-Embedding's Matryoshka sizes, as vLLM's docs show.
+    hf_overrides: dict | None = None
     # Read from the checkpoint in __post_init__; not meant to be passed by users.
     hf_config: dict = field(default_factory=dict, repr=False)
     pooling: Pooling | None = field(default=None, repr=False)  # runner="pooling" only
@@ -77,6 +80,10 @@ class Config:
         self._check_ints()
         source = os.path.join(self.model, "config.json")
         self.hf_config = read_json(source)
+        if self.hf_overrides is not None:
+            if not isinstance(self.hf_overrides, dict) or not all(isinstance(k, str) for k in self.hf_overrides):
+                raise TypeError(f"hf_overrides must be a dict of config.json fields, got {self.hf_overrides!r:.80}")
+            self.hf_config = {**self.hf_config, **self.hf_overrides}
         self.quantization = resolve_quantization(self.quantization, self.hf_config, source)
         # The architecture's own checks of the fields it reads, and that they shard over the ranks.
         model_class(self.hf_config, source).check_config(self.hf_config, source, self.tensor_parallel_size)

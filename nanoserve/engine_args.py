@@ -25,7 +25,8 @@ logger = logging.getLogger(__name__)
 # ---- 1. supported ----------------------------------------------------------------------------
 
 # vLLM name -> Config field, where the two differ.
-RENAMED = {"block_size": "kvcache_block_size", "num_gpu_blocks_override": "num_kvcache_blocks"}
+RENAMED = {"block_size": "kvcache_block_size", "num_gpu_blocks_override": "num_kvcache_blocks",
+           "override_pooler_config": "pooler_config"}  # vLLM < 0.10's name
 
 # vLLM passes None for "the engine's default" here: None leaves nanoserve's default in place.
 NONE_IS_DEFAULT = (

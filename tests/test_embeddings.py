@@ -291,6 +291,19 @@ def test_include_prompt_false_pools_every_token_as_vllm(tmp_path):
             assert cosine(out.outputs.embedding, expected) >= 0.9999
 
 
+def test_hf_overrides_and_override_pooler_config_as_vllm(ckpts):
+    # vLLM's docs give Qwen3-Embedding its Matryoshka sizes with hf_overrides; override_pooler_config
+    # is vLLM's older name of pooler_config.
+    with LLM(ckpts["mean"], **POOLING, hf_overrides={"matryoshka_dimensions": [8]},
+             override_pooler_config={"pooling_type": "LAST"}) as llm:
+        assert llm.config.pooling.pooling_type == "LAST"
+        assert llm.embed(["hi"], PoolingParams(dimensions=8), use_tqdm=False)[0].outputs.hidden_size == 8
+    with pytest.raises(ValueError, match="is_causal: false"):
+        LLM(ckpts["last"], **POOLING, hf_overrides={"is_causal": False})
+    with pytest.raises(TypeError, match="hf_overrides must be a dict"):
+        LLM(ckpts["last"], **POOLING, hf_overrides=lambda cfg: cfg)
+
+
 def _write_json(path: str, data) -> None:
     with open(path, "w") as f:
         json.dump(data, f)
