@@ -242,6 +242,9 @@ class LLM:
     ) -> Iterator[tuple[int, EmbeddingRequestOutput | RequestError]]:
         """`embed` for inputs too large for memory: yields `(index, EmbeddingRequestOutput)` as each
         finishes, reading `prompts` lazily, like `generate_stream` (a bad prompt yields a RequestError)."""
+        if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
+            raise TypeError(f"embed_stream takes one PoolingParams for every prompt (or None), got "
+                            f"{type(pooling_params).__name__}")
         (params,) = params_per_prompt(pooling_params, 1, truncate_prompt_tokens)
         return _as_embeddings(self.generate_stream(prompts, params, max_inflight=max_inflight, use_tqdm=use_tqdm))
 

@@ -344,6 +344,8 @@ def test_embed_stream_yields_every_prompt_and_errors_in_place(llm):
     expected = llm.embed(DOCS, use_tqdm=False)
     got = dict(llm.embed_stream(iter(DOCS[:3] + [""] + DOCS[3:]), max_inflight=2, use_tqdm=False))
     assert isinstance(got[3], RequestError) and "empty" in got[3].message
+    with pytest.raises(TypeError, match="one PoolingParams for every prompt"):
+        llm.embed_stream(DOCS[:2], [PoolingParams(), PoolingParams()])
     for i, ref in zip([0, 1, 2, 4, 5, 6], expected):
         np.testing.assert_allclose(got[i].outputs.embedding, ref.outputs.embedding, atol=1e-6)
     assert_no_leak(llm)
