@@ -40,7 +40,7 @@ class Config:
     dtype: str = "auto"  # also vLLM's "half" / "float" and torch dtypes, stored as one of DTYPES
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # None = STEP_TOKENS[runner on device] (see _resolve_step_budget)
-    max_model_len: int | None = None  # None = min(4096, max_position_embeddings)
+    max_model_len: int | None = None  # None = min(4096, max_position_embeddings, ST max_seq_length)
     kvcache_block_size: int | None = None  # None = the backend's: 256 where flash-attn runs (its paged-KV minimum), else 16
     num_kvcache_blocks: int | None = None  # None = derived from the memory budget below
     gpu_memory_utilization: float = 0.9

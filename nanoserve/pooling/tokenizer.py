@@ -13,7 +13,7 @@ def lowercase_inputs(tokenizer) -> None:
         return
     backend = tokenizer.backend_tokenizer
     current = backend.normalizer
-    if isinstance(current, Lowercase) or (isinstance(current, Sequence) and any(isinstance(n, Lowercase) for n in current)):
-        return
     rest = list(current) if isinstance(current, Sequence) else [current] if current is not None else []
+    if any(isinstance(n, Lowercase) for n in rest):
+        return
     backend.normalizer = Sequence([Lowercase(), *rest])
