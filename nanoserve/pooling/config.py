@@ -293,11 +293,11 @@ def _read_pooling_module(module_dir: str) -> str:
             f"{path}: pooling mode {mode!r} is not supported; nanoserve pools with one of "
             f"{tuple(_ST_MODES)}"
         )
-    if cfg.get("include_prompt") is False and mode == "mean":
+    if cfg.get("include_prompt") is False and mode != "lasttoken":
         # sentence-transformers leaves out the prompt it is given separately (encode(prompt=...));
-        # a prompt here is part of the text, so every token is pooled, as vLLM does too.
+        # a prompt here is part of the text, so every token is pooled (CLS: the first), as in vLLM.
         logger.warning(
-            "%s: include_prompt: false: nanoserve (as vLLM) mean-pools every token of the prompt it is "
-            "given, an instruction prepended to the text included", path,
+            "%s: include_prompt: false: nanoserve (as vLLM) pools the whole text it is given, an "
+            "instruction prepended to it included", path,
         )
     return _ST_MODES[mode]
