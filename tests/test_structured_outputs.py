@@ -197,10 +197,23 @@ def test_constraints_that_do_not_compile_fail_before_work(llm, constraint, fragm
     ({"structured_outputs": 5}, TypeError, "structured_outputs"),
     ({"structured_outputs": {"regex": "a"}, "guided_decoding": {"regex": "b"}}, ValueError, "both"),
     ({"guided_decoding": {"choice": ["a"], "json_object": True}}, ValueError, "guided_decoding"),
+    ({"structured_outputs": {"json": False}}, ValueError, "structured_outputs.json is the schema false"),
+    ({"structured_outputs": {"json": "false"}}, ValueError, "structured_outputs.json is the schema false"),
 ])
 def test_bad_params_are_refused_at_construction(kwargs, error, fragment):
     with pytest.raises(error, match=re.escape(fragment)):
         SamplingParams(**kwargs)
+
+
+def test_schema_true_accepts_any_json_value(llm):
+    """The JSON schema `true` (as a bool or a JSON string) is any JSON value, like `{}`."""
+    params = [constrained(1.0, seed=s, json=schema, disable_any_whitespace=True, max_tokens=24)
+              for s in range(3) for schema in (True, "true")]
+    outs = llm.generate(["any"] * len(params), params, use_tqdm=False)
+    assert [o.outputs[0].text for o in outs[::2]] == [o.outputs[0].text for o in outs[1::2]]
+    for out in outs:
+        if out.outputs[0].finish_reason == "stop":
+            json.loads(out.outputs[0].text)
 
 
 def test_field_set_after_construction_is_checked(llm):

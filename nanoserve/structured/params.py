@@ -95,7 +95,9 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        return next(n for n in CONSTRAINT_FIELDS if getattr(self, n) is not None and getattr(self, n) is not False)
+        # Only json_object=False means "not given"; json=False is a schema (refused by validate).
+        return next(n for n in CONSTRAINT_FIELDS if getattr(self, n) is not None
+                    and not (n == "json_object" and self.json_object is False))
 
     def spec(self) -> ConstraintSpec:
         """The hashable key this constraint compiles (and is cached) under."""
@@ -179,6 +181,8 @@ def _check_json_schema(schema: Any, where: str) -> None:
     if not isinstance(schema, (dict, bool)):
         raise TypeError(f"{where} must be a JSON schema (a dict, a JSON string or a pydantic model), "
                         f"got {type(schema).__name__}")
+    if schema is False:
+        raise ValueError(f"{where} is the schema false, which no output matches")
 
 
 # vLLM's LLM.generate(guided_options_request=...) keys -> GuidedDecodingParams fields.
