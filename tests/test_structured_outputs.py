@@ -320,6 +320,33 @@ def test_logprobs_cover_every_token(llm):
     assert json.loads(sample.text) == json.loads(plain[0].outputs[0].text)  # same text, maybe other tokens
 
 
+def test_logprobs_are_over_the_tokens_the_grammar_allows(llm, tiny_model, hf):
+    """vLLM masks the logits with the grammar before its sampler computes logprobs, so a
+    constrained row's logprobs are the model's distribution renormalised over the allowed tokens:
+    equal to HF's log_softmax less the logsumexp of the allowed tokens, step by step."""
+    import torch
+
+    from nanoserve.structured.bitmask import fill_bitmask
+
+    manager, vocab = llm.engine.structured, llm.engine.vocab_size
+    prompt = llm.tokenizer.encode("Pick one:")
+    for temperature, seed in ((0.0, None), (1.0, 3)):
+        params = constrained(temperature, seed=seed, max_tokens=8, regex=r"(yes|no|maybe)[0-9]{1,3}")
+        params.logprobs = 3
+        sample = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+        raw = hf.logprobs(tiny_model, prompt, sample.token_ids)  # [T, V], no mask
+        replay = manager.new_matcher(params)  # walks the same grammar to know each step's mask
+        for step, (token, entry) in enumerate(zip(sample.token_ids, sample.logprobs)):
+            allowed = torch.from_numpy(unpack_forbidden(fill_bitmask([replay], vocab), vocab)[0] == 0)
+            want = raw[step].masked_fill(~allowed, float("-inf")).log_softmax(-1)
+            assert entry[token].logprob == pytest.approx(want[token].item(), abs=1e-4)
+            for t, lp in entry.items():
+                if lp.rank is not None:  # the top 3 of the masked distribution, forbidden ones at -inf
+                    assert lp.logprob == pytest.approx(want.topk(3).values[lp.rank - 1].item(), abs=1e-4)
+                    assert allowed[t] or lp.logprob == float("-inf")
+            replay.accept(token)
+
+
 def test_stop_strings_and_max_tokens(llm):
     choices = ["alpha beta", "gamma delta"]
     params = constrained(choice=choices)
