@@ -347,6 +347,25 @@ def test_logprobs_are_over_the_tokens_the_grammar_allows(llm, tiny_model, hf):
             replay.accept(token)
 
 
+def test_text_that_spells_a_special_token_ends_only_its_own_sample(llm, llm_no_jf):
+    """llguidance tokenizes forced text as the tokenizer does, so a constraint whose text spells a
+    special token ("<|im_end|>") gets that special token in its mask and jump-forward, and its
+    parser then refuses it (outlines #1771). That sample ends; the batch and the engine go on."""
+    special = ["<|im_end|>", "<|endoftext|>"]
+    for engine in (llm, llm_no_jf):
+        refused = engine.engine.structured.stats.num_refused_tokens
+        params = [constrained(regex=r"a<\|im_end\|>b"), constrained(json={"const": "<|endoftext|>"}),
+                  constrained(choice=["yes", "no"]), SamplingParams(temperature=0, max_tokens=5)]
+        outs = [o.outputs[0] for o in engine.generate(["s"] * len(params), params, use_tqdm=False)]
+        assert [o.text for o in outs[:2]] == ["a", '"']  # the text up to the special token
+        assert all(o.finish_reason == "stop" for o in outs[:3]) and outs[2].text in ("yes", "no")
+        assert len(outs[3].token_ids) == 5
+        assert not any(t in special for t in engine.tokenizer.convert_ids_to_tokens(outs[0].token_ids[:-1]))
+        assert engine.engine.structured.stats.num_refused_tokens == refused + 2
+        assert live_matchers() == 0
+        assert_no_leak(engine)
+
+
 def test_stop_strings_and_max_tokens(llm):
     choices = ["alpha beta", "gamma delta"]
     params = constrained(choice=choices)
