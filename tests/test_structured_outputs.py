@@ -366,6 +366,24 @@ def test_text_that_spells_a_special_token_ends_only_its_own_sample(llm, llm_no_j
         assert_no_leak(engine)
 
 
+def test_a_grammar_failing_on_its_forced_tokens_ends_only_its_own_sample(llm):
+    """A schema whose required property recurses forever ({"r": {"r": ...}}) compiles, but its
+    forced text never ends and llguidance stops in error while consuming it (its item limit):
+    that sample ends, the other requests and the engine go on."""
+    node = {"type": "object", "properties": {"r": {"$ref": "#/$defs/d"}}, "required": ["r"],
+            "additionalProperties": False}
+    endless = {"$defs": {"d": node}, **node}
+    refused = llm.engine.structured.stats.num_refused_tokens
+    params = [constrained(json=endless, disable_any_whitespace=True, max_tokens=100),
+              constrained(choice=["yes", "no"]), SamplingParams(temperature=0, max_tokens=5)]
+    outs = [o.outputs[0] for o in llm.generate(["r"] * len(params), params, use_tqdm=False)]
+    assert outs[0].finish_reason == "stop" and len(outs[0].token_ids) < 100
+    assert outs[1].text in ("yes", "no") and len(outs[2].token_ids) == 5
+    assert llm.engine.structured.stats.num_refused_tokens > refused
+    assert live_matchers() == 0
+    assert_no_leak(llm)
+
+
 def test_stop_strings_and_max_tokens(llm):
     choices = ["alpha beta", "gamma delta"]
     params = constrained(choice=choices)

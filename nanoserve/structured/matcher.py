@@ -50,9 +50,13 @@ class SequenceMatcher:
         """
         self.stats.num_sampled_tokens += 1
         if not self.llg.consume_token(token_id):
-            self.stats.num_refused_tokens += 1
-            logger.warning("the grammar refused token %d, which its own mask allowed; ending the sample: %s",
-                           token_id, (self.llg.get_error().splitlines() or [""])[0][:300])
+            self._refused([token_id])
+
+    def _refused(self, tokens: list[int]) -> None:
+        """llguidance refused tokens it offered; it is now stopped in error, so the sample ends."""
+        self.stats.num_refused_tokens += len(tokens)
+        logger.warning("the grammar refused tokens %s, which it allowed or forced; ending the sample: %s",
+                       tokens[:8], (self.llg.get_error().splitlines() or [""])[0][:300])
 
     @property
     def is_finished(self) -> bool:
@@ -64,7 +68,9 @@ class SequenceMatcher:
 
         These are llguidance's canonical tokenization of the forced text (compute_ff_tokens keeps
         back a tail that a longer token could still absorb), so the model's next sampled token
-        never has to split what was forced.
+        never has to split what was forced. A grammar can also fail while consuming them (a schema
+        whose required properties recurse forever exceeds llguidance's item limit): the matcher
+        stops in error, nothing is appended and the sample ends.
         """
         if not self.jump_forward or limit <= 0:
             return []
@@ -74,8 +80,8 @@ class SequenceMatcher:
         # which the grammar's byte-level lexer refuses: keep only the prefix it accepts and let
         # the sampler spell the rest under the mask.
         tokens = tokens[: self.llg.validate_tokens(tokens)] if tokens else tokens
-        if tokens:
-            ok = self.llg.consume_tokens(tokens)
-            assert ok, f"the grammar refused its own forced tokens {tokens}: {self.llg.get_error()}"
-            self.stats.num_forced_tokens += len(tokens)
+        if tokens and not self.llg.consume_tokens(tokens):
+            self._refused(tokens)
+            return []
+        self.stats.num_forced_tokens += len(tokens)
         return tokens
