@@ -205,6 +205,21 @@ def test_bad_params_are_refused_at_construction(kwargs, error, fragment):
         SamplingParams(**kwargs)
 
 
+def test_keys_come_in_the_schema_order(llm, llm_no_jf):
+    """Properties are generated in the order the schema lists them (as vLLM's backends do): a
+    "reasoning" key before an "answer" key is part of a schema's meaning. The compile-cache key
+    once sorted the schema's keys, which generated them alphabetically."""
+    schema = {"type": "object", "properties": {"zeta": {"type": "boolean"}, "mid": {"enum": ["x", "y"]},
+                                               "alpha": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["zeta", "mid", "alpha"], "additionalProperties": False}
+    for engine in (llm, llm_no_jf):
+        params = [constrained(1.0, seed=s, json=schema, disable_any_whitespace=True) for s in range(3)]
+        params.append(constrained(json=json.dumps(schema), disable_any_whitespace=True))
+        for out in engine.generate(["order"] * len(params), params, use_tqdm=False):
+            assert out.outputs[0].finish_reason == "stop"
+            assert list(json.loads(out.outputs[0].text)) == ["zeta", "mid", "alpha"]
+
+
 def test_schema_true_accepts_any_json_value(llm):
     """The JSON schema `true` (as a bool or a JSON string) is any JSON value, like `{}`."""
     params = [constrained(1.0, seed=s, json=schema, disable_any_whitespace=True, max_tokens=24)

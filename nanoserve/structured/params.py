@@ -103,7 +103,9 @@ class StructuredOutputsParams:
         """The hashable key this constraint compiles (and is cached) under."""
         kind = self.kind
         if kind == "json":
-            text = self.json if isinstance(self.json, str) else _json.dumps(self.json, sort_keys=True)
+            # Not sort_keys: the order of "properties" is the order the keys are generated in
+            # (a "reasoning" key before an "answer" key is part of the schema's meaning).
+            text = self.json if isinstance(self.json, str) else _json.dumps(self.json)
         elif kind == "choice":
             text = _json.dumps(self.choice)
         elif kind == "json_object":
