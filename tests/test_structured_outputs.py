@@ -197,10 +197,38 @@ def test_constraints_that_do_not_compile_fail_before_work(llm, constraint, fragm
     ({"structured_outputs": 5}, TypeError, "structured_outputs"),
     ({"structured_outputs": {"regex": "a"}, "guided_decoding": {"regex": "b"}}, ValueError, "both"),
     ({"guided_decoding": {"choice": ["a"], "json_object": True}}, ValueError, "guided_decoding"),
+    ({"structured_outputs": {"json": False}}, ValueError, "structured_outputs.json is the schema false"),
+    ({"structured_outputs": {"json": "false"}}, ValueError, "structured_outputs.json is the schema false"),
 ])
 def test_bad_params_are_refused_at_construction(kwargs, error, fragment):
     with pytest.raises(error, match=re.escape(fragment)):
         SamplingParams(**kwargs)
+
+
+def test_keys_come_in_the_schema_order(llm, llm_no_jf):
+    """Properties are generated in the order the schema lists them (as vLLM's backends do): a
+    "reasoning" key before an "answer" key is part of a schema's meaning. The compile-cache key
+    once sorted the schema's keys, which generated them alphabetically."""
+    schema = {"type": "object", "properties": {"zeta": {"type": "boolean"}, "mid": {"enum": ["x", "y"]},
+                                               "alpha": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["zeta", "mid", "alpha"], "additionalProperties": False}
+    for engine in (llm, llm_no_jf):
+        params = [constrained(1.0, seed=s, json=schema, disable_any_whitespace=True) for s in range(3)]
+        params.append(constrained(json=json.dumps(schema), disable_any_whitespace=True))
+        for out in engine.generate(["order"] * len(params), params, use_tqdm=False):
+            assert out.outputs[0].finish_reason == "stop"
+            assert list(json.loads(out.outputs[0].text)) == ["zeta", "mid", "alpha"]
+
+
+def test_schema_true_accepts_any_json_value(llm):
+    """The JSON schema `true` (as a bool or a JSON string) is any JSON value, like `{}`."""
+    params = [constrained(1.0, seed=s, json=schema, disable_any_whitespace=True, max_tokens=24)
+              for s in range(3) for schema in (True, "true")]
+    outs = llm.generate(["any"] * len(params), params, use_tqdm=False)
+    assert [o.outputs[0].text for o in outs[::2]] == [o.outputs[0].text for o in outs[1::2]]
+    for out in outs:
+        if out.outputs[0].finish_reason == "stop":
+            json.loads(out.outputs[0].text)
 
 
 def test_field_set_after_construction_is_checked(llm):
@@ -305,6 +333,70 @@ def test_logprobs_cover_every_token(llm):
         assert token in entry
     plain = llm.generate(["lp"], constrained(json=SCHEMAS[15], disable_any_whitespace=True), use_tqdm=False)
     assert json.loads(sample.text) == json.loads(plain[0].outputs[0].text)  # same text, maybe other tokens
+
+
+def test_logprobs_are_over_the_tokens_the_grammar_allows(llm, tiny_model, hf):
+    """vLLM masks the logits with the grammar before its sampler computes logprobs, so a
+    constrained row's logprobs are the model's distribution renormalised over the allowed tokens:
+    equal to HF's log_softmax less the logsumexp of the allowed tokens, step by step."""
+    import torch
+
+    from nanoserve.structured.bitmask import fill_bitmask
+
+    manager, vocab = llm.engine.structured, llm.engine.vocab_size
+    prompt = llm.tokenizer.encode("Pick one:")
+    for temperature, seed in ((0.0, None), (1.0, 3)):
+        params = constrained(temperature, seed=seed, max_tokens=8, regex=r"(yes|no|maybe)[0-9]{1,3}")
+        params.logprobs = 3
+        sample = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+        raw = hf.logprobs(tiny_model, prompt, sample.token_ids)  # [T, V], no mask
+        replay = manager.new_matcher(params)  # walks the same grammar to know each step's mask
+        for step, (token, entry) in enumerate(zip(sample.token_ids, sample.logprobs)):
+            allowed = torch.from_numpy(unpack_forbidden(fill_bitmask([replay], vocab), vocab)[0] == 0)
+            want = raw[step].masked_fill(~allowed, float("-inf")).log_softmax(-1)
+            assert entry[token].logprob == pytest.approx(want[token].item(), abs=1e-4)
+            for t, lp in entry.items():
+                if lp.rank is not None:  # the top 3 of the masked distribution, forbidden ones at -inf
+                    assert lp.logprob == pytest.approx(want.topk(3).values[lp.rank - 1].item(), abs=1e-4)
+                    assert allowed[t] or lp.logprob == float("-inf")
+            replay.accept(token)
+
+
+def test_text_that_spells_a_special_token_ends_only_its_own_sample(llm, llm_no_jf):
+    """llguidance tokenizes forced text as the tokenizer does, so a constraint whose text spells a
+    special token ("<|im_end|>") gets that special token in its mask and jump-forward, and its
+    parser then refuses it (outlines #1771). That sample ends; the batch and the engine go on."""
+    special = ["<|im_end|>", "<|endoftext|>"]
+    for engine in (llm, llm_no_jf):
+        refused = engine.engine.structured.stats.num_refused_tokens
+        params = [constrained(regex=r"a<\|im_end\|>b"), constrained(json={"const": "<|endoftext|>"}),
+                  constrained(choice=["yes", "no"]), SamplingParams(temperature=0, max_tokens=5)]
+        outs = [o.outputs[0] for o in engine.generate(["s"] * len(params), params, use_tqdm=False)]
+        assert [o.text for o in outs[:2]] == ["a", '"']  # the text up to the special token
+        assert all(o.finish_reason == "stop" for o in outs[:3]) and outs[2].text in ("yes", "no")
+        assert len(outs[3].token_ids) == 5
+        assert not any(t in special for t in engine.tokenizer.convert_ids_to_tokens(outs[0].token_ids[:-1]))
+        assert engine.engine.structured.stats.num_refused_tokens == refused + 2
+        assert live_matchers() == 0
+        assert_no_leak(engine)
+
+
+def test_a_grammar_failing_on_its_forced_tokens_ends_only_its_own_sample(llm):
+    """A schema whose required property recurses forever ({"r": {"r": ...}}) compiles, but its
+    forced text never ends and llguidance stops in error while consuming it (its item limit):
+    that sample ends, the other requests and the engine go on."""
+    node = {"type": "object", "properties": {"r": {"$ref": "#/$defs/d"}}, "required": ["r"],
+            "additionalProperties": False}
+    endless = {"$defs": {"d": node}, **node}
+    refused = llm.engine.structured.stats.num_refused_tokens
+    params = [constrained(json=endless, disable_any_whitespace=True, max_tokens=100),
+              constrained(choice=["yes", "no"]), SamplingParams(temperature=0, max_tokens=5)]
+    outs = [o.outputs[0] for o in llm.generate(["r"] * len(params), params, use_tqdm=False)]
+    assert outs[0].finish_reason == "stop" and len(outs[0].token_ids) < 100
+    assert outs[1].text in ("yes", "no") and len(outs[2].token_ids) == 5
+    assert llm.engine.structured.stats.num_refused_tokens > refused
+    assert live_matchers() == 0
+    assert_no_leak(llm)
 
 
 def test_stop_strings_and_max_tokens(llm):

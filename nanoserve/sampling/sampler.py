@@ -5,8 +5,10 @@ into per-row tensors once; Sampler.forward then works on the whole batch at once
 loop over rows or over the vocabulary.
 
 Order of operations (vLLM's):
-  1. logprobs (if any row asked) from the RAW logits: log_softmax before anything below.
-  1b. structured outputs: tokens a row's grammar forbids -> -inf (constrained rows only).
+  1. structured outputs: tokens a row's grammar forbids -> -inf (constrained rows only).
+  1b. logprobs (if any row asked): log_softmax of these logits, before anything below. vLLM
+     masks the logits with the grammar before its sampler, so its "raw" logprobs of a
+     constrained row are over the tokens the grammar allows.
   2. suppressed tokens (EOS / stop ids while min_tokens is not reached) -> -inf, except in a row
      where that would leave its grammar no token at all.
   3. penalties: repetition (over prompt + output), frequency and presence (over the output).
@@ -56,6 +58,7 @@ class Sampler(torch.nn.Module):
         logits = raw
         if meta.grammar_forbidden is not None:
             logits = logits.masked_fill(meta.grammar_forbidden, float("-inf"))
+        scored = logits  # what logprobs are taken from: the model's, less what the grammar forbids
         if meta.suppressed is not None:
             suppressed = logits.index_put((meta.suppressed[0], meta.suppressed[1]), logits.new_tensor(float("-inf")))
             if meta.grammar_forbidden is not None:
@@ -68,10 +71,10 @@ class Sampler(torch.nn.Module):
 
         logprobs = topk_ids = topk_logprobs = None
         if meta.max_num_logprobs is not None:
-            # log_softmax(raw) at a few positions only: raw - logsumexp, no [B, V] result.
-            lse = raw.logsumexp(-1, keepdim=True)  # [B, 1]
-            logprobs = (raw.gather(1, token_ids[:, None]) - lse).squeeze(1)
-            top_vals, topk_ids = raw.topk(meta.max_num_logprobs, dim=-1)  # [B, K]
+            # log_softmax(scored) at a few positions only: scored - logsumexp, no [B, V] result.
+            lse = scored.logsumexp(-1, keepdim=True)  # [B, 1]
+            logprobs = (scored.gather(1, token_ids[:, None]) - lse).squeeze(1)
+            top_vals, topk_ids = scored.topk(meta.max_num_logprobs, dim=-1)  # [B, K]
             topk_logprobs = top_vals - lse
         return SamplerOutput(token_ids, logprobs, topk_ids, topk_logprobs)
 

@@ -62,6 +62,8 @@ def grammar_text(spec: ConstraintSpec) -> str:
     llg = import_llguidance()
     if spec.kind in ("json", "json_object"):
         schema = json.loads(spec.text)
+        if schema is True:  # the schema that accepts any JSON value; llguidance's options need an object
+            schema = {}
         if spec.disable_additional_properties:
             schema = _no_additional_properties(schema)
         options: dict[str, Any] = {"whitespace_flexible": not spec.disable_any_whitespace}

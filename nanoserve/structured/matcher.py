@@ -2,8 +2,11 @@
 and offers the tokens the grammar forces next (jump-forward)."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -14,6 +17,7 @@ class StructuredStats:
     mask_seconds: float = 0.0  # wall time spent computing them
     num_sampled_tokens: int = 0  # constrained tokens that went through the sampler
     num_forced_tokens: int = 0  # tokens appended by jump-forward, without sampling
+    num_refused_tokens: int = 0  # sampled tokens the grammar refused after its mask allowed them
 
     @property
     def mask_us_per_token(self) -> float:
@@ -37,10 +41,22 @@ class SequenceMatcher:
         self.jump_forward = jump_forward
 
     def accept(self, token_id: int) -> None:
-        """The sampler picked `token_id` under this matcher's mask."""
+        """The sampler picked `token_id` under this matcher's mask.
+
+        llguidance's mask can offer a token its parser then refuses: where the grammar forces text
+        that spells a special token (a literal "<|im_end|>" or "<think>"), the mask holds that
+        special token alone (outlines #1771). The refusal stops the matcher (`is_finished`), so
+        the sample ends there, as with vLLM's llguidance backend, instead of failing the batch.
+        """
         self.stats.num_sampled_tokens += 1
-        ok = self.llg.consume_token(token_id)
-        assert ok, f"the grammar refused token {token_id}, which its own mask allowed: {self.llg.get_error()}"
+        if not self.llg.consume_token(token_id):
+            self._refused([token_id])
+
+    def _refused(self, tokens: list[int]) -> None:
+        """llguidance refused tokens it offered; it is now stopped in error, so the sample ends."""
+        self.stats.num_refused_tokens += len(tokens)
+        logger.warning("the grammar refused tokens %s, which it allowed or forced; ending the sample: %s",
+                       tokens[:8], (self.llg.get_error().splitlines() or [""])[0][:300])
 
     @property
     def is_finished(self) -> bool:
@@ -52,13 +68,20 @@ class SequenceMatcher:
 
         These are llguidance's canonical tokenization of the forced text (compute_ff_tokens keeps
         back a tail that a longer token could still absorb), so the model's next sampled token
-        never has to split what was forced.
+        never has to split what was forced. A grammar can also fail while consuming them (a schema
+        whose required properties recurse forever exceeds llguidance's item limit): the matcher
+        stops in error, nothing is appended and the sample ends.
         """
         if not self.jump_forward or limit <= 0:
             return []
         tokens = self.llg.compute_ff_tokens()[:limit]
-        if tokens:
-            ok = self.llg.consume_tokens(tokens)
-            assert ok, f"the grammar refused its own forced tokens {tokens}: {self.llg.get_error()}"
-            self.stats.num_forced_tokens += len(tokens)
+        # compute_ff_tokens tokenizes the forced text as the tokenizer would, so text spelling a
+        # special token (a regex or JSON const "<|im_end|>") comes back as that special token,
+        # which the grammar's byte-level lexer refuses: keep only the prefix it accepts and let
+        # the sampler spell the rest under the mask.
+        tokens = tokens[: self.llg.validate_tokens(tokens)] if tokens else tokens
+        if tokens and not self.llg.consume_tokens(tokens):
+            self._refused(tokens)
+            return []
+        self.stats.num_forced_tokens += len(tokens)
         return tokens

@@ -95,13 +95,17 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        return next(n for n in CONSTRAINT_FIELDS if getattr(self, n) is not None and getattr(self, n) is not False)
+        # Only json_object=False means "not given"; json=False is a schema (refused by validate).
+        return next(n for n in CONSTRAINT_FIELDS if getattr(self, n) is not None
+                    and not (n == "json_object" and self.json_object is False))
 
     def spec(self) -> ConstraintSpec:
         """The hashable key this constraint compiles (and is cached) under."""
         kind = self.kind
         if kind == "json":
-            text = self.json if isinstance(self.json, str) else _json.dumps(self.json, sort_keys=True)
+            # Not sort_keys: the order of "properties" is the order the keys are generated in
+            # (a "reasoning" key before an "answer" key is part of the schema's meaning).
+            text = self.json if isinstance(self.json, str) else _json.dumps(self.json)
         elif kind == "choice":
             text = _json.dumps(self.choice)
         elif kind == "json_object":
@@ -179,6 +183,8 @@ def _check_json_schema(schema: Any, where: str) -> None:
     if not isinstance(schema, (dict, bool)):
         raise TypeError(f"{where} must be a JSON schema (a dict, a JSON string or a pydantic model), "
                         f"got {type(schema).__name__}")
+    if schema is False:
+        raise ValueError(f"{where} is the schema false, which no output matches")
 
 
 # vLLM's LLM.generate(guided_options_request=...) keys -> GuidedDecodingParams fields.
