@@ -527,10 +527,12 @@ int int4_gemm_w4a16(const void *x, int64_t M, int64_t K, const int8_t *panels, c
     } while (0)
 
 #if defined(__AVX2__) && defined(__FMA__)
-/* One whole block of quantize_blocks_int8 below, in registers: 0 (nothing written) if it holds an
-   outlier, which the scalar loop then handles. At one row the scalar loop (double compares, a
-   rounding call per value) was ~6 ns a value: 40 us of a decode step's layer. */
-static inline int quantize_block_avx2(const float *x, int8_t *q, float *scale_out, int32_t *sum_out) {
+/* One whole block of quantize_blocks_int8 below, in registers; its outliers (inputs k0 + i) are
+   appended to ok / ov in input order and counted in the return value. At one row the scalar loop
+   (double compares, a rounding call per value) was ~6 ns a value: 40 us of a decode step's layer;
+   and after SiLU-and-mul nine blocks in ten hold an outlier, so they must not fall back to it. */
+static inline int quantize_block_avx2(const float *x, int8_t *q, float *scale_out, int32_t *sum_out, int32_t *ok,
+                                      float *ov, int64_t k0) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 v[4], a[4];
     __m256d abs_sum = _mm256_setzero_pd();
@@ -548,9 +550,16 @@ static inline int quantize_block_avx2(const float *x, int8_t *q, float *scale_ou
     float below = (float)limit;
     if ((double)below > limit) below = nextafterf(below, 0.0f);
     const __m256 t = _mm256_set1_ps(below);
-    int outliers = 0;
-    for (int i = 0; i < 4; i++) outliers |= _mm256_movemask_ps(_mm256_cmp_ps(a[i], t, _CMP_GT_OQ));
-    if (outliers) return 0;
+    __m256 out[4];
+    int any = 0, n_out = 0;
+    for (int i = 0; i < 4; i++) out[i] = _mm256_cmp_ps(a[i], t, _CMP_GT_OQ), any |= _mm256_movemask_ps(out[i]);
+    for (int i = 0; any && i < 4; i++) {  /* outliers' lanes to 0: they neither set the scale nor are quantized */
+        for (int bits = _mm256_movemask_ps(out[i]); bits; bits &= bits - 1) {
+            const int j = 8 * i + __builtin_ctz((unsigned)bits);
+            ok[n_out] = (int32_t)(k0 + j), ov[n_out] = x[j], n_out++;
+        }
+        a[i] = _mm256_andnot_ps(out[i], a[i]), v[i] = _mm256_andnot_ps(out[i], v[i]);
+    }
     __m256 m = _mm256_max_ps(_mm256_max_ps(a[0], a[1]), _mm256_max_ps(a[2], a[3]));
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
@@ -567,7 +576,7 @@ static inline int quantize_block_avx2(const float *x, int8_t *q, float *scale_ou
     _mm256_storeu_si256((__m256i *)s, sum);
     *sum_out = s[0] + s[1] + s[2] + s[3] + s[4] + s[5] + s[6] + s[7];
     *scale_out = amax / 127.0f;
-    return 1;
+    return n_out;
 }
 #endif
 
@@ -591,7 +600,9 @@ void quantize_blocks_int8(const float *x, int64_t M, int64_t K, int64_t Kp, int6
 #if defined(__AVX2__) && defined(__FMA__)
             float block_scale;
             int32_t block_sum;
-            if (k1 - k0 == W4_BLOCK && quantize_block_avx2(xr + k0, xq + m * Kp + k0, &block_scale, &block_sum)) {
+            if (k1 - k0 == W4_BLOCK) {
+                n_out += quantize_block_avx2(xr + k0, xq + m * Kp + k0, &block_scale, &block_sum, ok + m * E + n_out,
+                                             ov + m * E + n_out, k0);
                 xs[m * B + b] = block_scale;
                 xg[m * G + k0 / group] += block_scale * (float)block_sum;
                 continue;
