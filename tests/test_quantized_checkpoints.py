@@ -29,6 +29,8 @@ CASES = {
     "gptq-asym-act-order": ("gptq", dict(sym=False, act_order=True)),
     "gptq-v2-asym-per-channel": ("gptq", dict(sym=False, version=2, group_size=-1)),
     "gptq-8bit": ("gptq", dict(bits=8)),
+    # desc_act with group_size not dividing K (96, 160): the last group of each module is partial
+    "gptq-act-order-partial-groups": ("gptq", dict(act_order=True, group_size=64)),
     "awq": ("awq", {}),
     "ct-w4a16": ("ct-pack", {}),
     "ct-w4a16-asym": ("ct-pack", dict(sym=False)),

@@ -87,17 +87,19 @@ def act_order(q: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor, group:
               meta: TensorMeta) -> QuantizedWeight:
     """A weight whose input column k belongs to group g_idx[k] (any order) as a QuantizedWeight:
     columns sorted by group (stable), so each group is contiguous, and perm says where each came from.
-    Every group must have exactly `group` columns (GPTQ's desc_act assigns them so)."""
+    Every group must have as many columns as in input order: `group`, the last one the remainder when
+    group_size does not divide K (GPTQ's desc_act assigns them so: g_idx[perm[i]] = i // group_size)."""
     n, k = q.shape
     g_idx = g_idx.long()
     groups = scales.shape[1]
     if g_idx.min() < 0 or g_idx.max() >= groups:
         raise tensor_error(meta, f"holds group indices outside [0, {groups})")
-    if torch.equal(g_idx, trivial_g_idx(k, group)):
+    in_order = trivial_g_idx(k, group)
+    if torch.equal(g_idx, in_order):
         return QuantizedWeight(q, scales, group)
-    counts = torch.bincount(g_idx, minlength=groups)
-    if k % group or not bool((counts == group).all()):
-        raise tensor_error(meta, f"does not assign exactly group_size={group} input columns to every group")
+    if not torch.equal(torch.bincount(g_idx, minlength=groups), torch.bincount(in_order, minlength=groups)):
+        raise tensor_error(meta, f"does not assign group_size={group} input columns to every group (the last "
+                           f"one {k - (groups - 1) * group})")
     perm = torch.argsort(g_idx, stable=True)
     return QuantizedWeight(q[:, perm].contiguous(), scales, group, perm)
 
