@@ -31,6 +31,9 @@ CASES = {
     "gptq-8bit": ("gptq", dict(bits=8)),
     # desc_act with group_size not dividing K (96, 160): the last group of each module is partial
     "gptq-act-order-partial-groups": ("gptq", dict(act_order=True, group_size=64)),
+    # 8 bits with real zero points: q - z spans [-255, 255], so these modules run in float
+    "gptq-8bit-asym": ("gptq", dict(bits=8, sym=False)),
+    "ct-w8a16-asym": ("ct-pack", dict(bits=8, sym=False)),
     "awq": ("awq", {}),
     "ct-w4a16": ("ct-pack", {}),
     "ct-w4a16-asym": ("ct-pack", dict(sym=False)),
@@ -40,6 +43,7 @@ CASES = {
 }
 METHODS = {"gptq": "gptq", "awq": "awq", "ct-pack": "compressed-tensors", "ct-int8": "compressed-tensors",
            "fp8": "fp8"}
+RUN_IN_FLOAT = {"fp8", "gptq-8bit-asym", "ct-w8a16-asym"}  # decoded to float weights, run by the float GEMM
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 ENGINE = dict(dtype="float32", max_model_len=128, num_kvcache_blocks=64)
 
@@ -104,7 +108,9 @@ def test_greedy_tokens_equal_hf_on_the_dequantized_weights(checkpoints, hf, monk
     llm = LLM(path, **ENGINE)
     assert llm.engine.config.quantization == METHODS[CASES[name][0]]
     gemms = [m.gemm for m in llm.engine.model_runner.model.modules() if isinstance(m, LinearBase)]
-    if llm.engine.model_runner.backend.int8 is not None and name != "fp8":  # the integers run as they are
+    if name in RUN_IN_FLOAT:
+        assert not any(isinstance(g, (Int4Gemm, Int8Gemm)) for g in gemms)
+    elif llm.engine.model_runner.backend.int8 is not None:  # the integers run as they are
         expected = Int4Gemm if _int4(name) and int8_path == "w4a16" else Int8Gemm
         assert gemms and all(type(g) is expected for g in gemms)
         assert any(g.perm is not None for g in gemms) == CASES[name][1].get("act_order", False)
@@ -163,6 +169,36 @@ def test_mixed_checkpoints_load_with_the_float_modules_as_float(model_dirs, hf, 
         assert isinstance(layers[1].self_attn.qkv_proj.gemm, Int4Gemm)
         assert not isinstance(layers[1].mlp.down_proj.gemm, (Int4Gemm, Int8Gemm))
         assert not isinstance(layers[0].self_attn.qkv_proj.gemm, (Int4Gemm, Int8Gemm))
+    prompt = [5, 9, 14, 3, 77]
+    out = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)
+    assert list(out[0].outputs[0].token_ids) == hf.greedy(twin, prompt, GREEDY.max_tokens)
+
+
+def _tensors(path: str) -> dict[str, torch.Tensor]:
+    with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def test_fused_parts_with_different_act_orders_load_as_float(model_dirs, hf, tmp_path, monkeypatch):
+    """desc_act g_idx drawn per module: layer 0's k_proj has an input order unlike q/v's, and a fused q/k/v
+    layer runs one order, so that layer loads dequantized; the other layers keep their integers."""
+    monkeypatch.setenv("NANOSERVE_CPU_INT8", "w4a16")  # exact, so HF's tokens
+    dst, other, twin = str(tmp_path / "q"), str(tmp_path / "other-order"), str(tmp_path / "float")
+    write_quantized_checkpoint(model_dirs["untied-gqa4"], dst, "gptq", twin, act_order=True)
+    other_weights = write_quantized_checkpoint(model_dirs["untied-gqa4"], other, "gptq", act_order=True, seed=1)
+    k_proj = "model.layers.0.self_attn.k_proj."
+    packed, spliced = _tensors(dst), _tensors(other)
+    packed.update({k: v for k, v in spliced.items() if k.startswith(k_proj)})
+    assert not torch.equal(packed[k_proj + "g_idx"], packed[k_proj.replace("k_proj", "q_proj") + "g_idx"])
+    save_file(packed, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    save_file({**_tensors(twin), k_proj + "weight": other_weights[k_proj + "weight"]},
+              os.path.join(twin, "model.safetensors"), metadata={"format": "pt"})
+    llm = LLM(dst, **ENGINE)
+    layers = llm.engine.model_runner.model.model.layers
+    if llm.engine.model_runner.backend.int8 is not None:
+        assert not isinstance(layers[0].self_attn.qkv_proj.gemm, (Int4Gemm, Int8Gemm))
+        assert all(isinstance(layer.mlp.gate_up_proj.gemm, Int4Gemm) for layer in layers)
+        assert isinstance(layers[1].self_attn.qkv_proj.gemm, Int4Gemm) and layers[1].self_attn.qkv_proj.gemm.perm is not None
     prompt = [5, 9, 14, 3, 77]
     out = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)
     assert list(out[0].outputs[0].token_ids) == hf.greedy(twin, prompt, GREEDY.max_tokens)

@@ -34,7 +34,9 @@ class ModuleSpec:
     in_features: int
     group_size: int  # in_features when per channel
     act_order: bool  # the format may reorder input columns (GPTQ desc_act, compressed-tensors g_idx)
-    decodes_to_float: bool = False  # run as a float weight (FP8 kept in the model dtype)
+    decodes_to_float: bool = False  # run as a float weight (FP8; 8-bit integers whose q - z overflow int8)
+    # act-order: the g_idx's bytes (None in input order); a fused layer runs one order, so its parts must agree
+    input_order: bytes | None = None
 
 
 def config_error(source: str, field: str, value, allowed: str) -> ValueError:
@@ -81,6 +83,18 @@ def to_int8(values: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
 
 def trivial_g_idx(k: int, group: int) -> torch.Tensor:
     return torch.arange(k, dtype=torch.int64) // group
+
+
+def input_order(g_idx: torch.Tensor, k: int, group: int) -> bytes | None:
+    """ModuleSpec.input_order of a module with this g_idx."""
+    g_idx = g_idx.long()
+    return None if torch.equal(g_idx, trivial_g_idx(k, group)) else g_idx.numpy().tobytes()
+
+
+def dequantize(values: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor) -> torch.Tensor:
+    """The float32 weight [N, K] of integers values [N, K] (q - z) and scales [N, G], column k in group g_idx[k]:
+    for a module whose q - z does not fit the int8 kernels (ModuleSpec.decodes_to_float)."""
+    return values.float() * scales.float()[:, g_idx.long()]
 
 
 def act_order(q: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor, group: int,

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from nanoserve.quantization.common import (
-    BF16, F16, F32, I8, I32, I64, ModuleSpec, QuantFormat, TensorMeta, act_order, config_error, expect, matches,
-    require, tensor_error, to_int8, unpack_int32,
+    BF16, F16, F32, I8, I32, I64, ModuleSpec, QuantFormat, TensorMeta, act_order, config_error, dequantize, expect,
+    input_order, matches, require, tensor_error, to_int8, unpack_int32,
 )
 from nanoserve.quantization.weight import QuantizedWeight
 
@@ -137,11 +137,21 @@ class CompressedTensors(QuantFormat):
             expect(metas["weight_zero_point"], zp_shape, (I32,) if packed else (I8, I32), f"asymmetric, {why}")
         elif "weight_zero_point" in metas:
             raise tensor_error(metas["weight_zero_point"], "is present but the scheme is symmetric")
+        order = None
         if "weight_g_idx" in metas:
             expect(metas["weight_g_idx"], (k,), (I32, I64), why)
-        return ModuleSpec(n, k, group, "weight_g_idx" in metas)
+            order = input_order(read("weight_g_idx"), k, group)
+        # 8 bits with zero points: q - zp spans [-255, 255], more than the int8 kernels hold: run in float
+        fits_int8 = bits == 4 or scheme["symmetric"] or not bool(self._zero_points(read("weight_zero_point"),
+                                                                                     packed, bits, n).any())
+        return ModuleSpec(n, k, group, "weight_g_idx" in metas, decodes_to_float=not fits_int8, input_order=order)
 
-    def decode(self, module, tensors, metas, spec) -> QuantizedWeight:
+    @staticmethod
+    def _zero_points(zp: torch.Tensor, packed: bool, bits: int, n: int) -> torch.Tensor:
+        """[N, G] signed zero points (or [1, G], per tensor)."""
+        return unpack_int32(zp, bits, dim=0)[:n] - (1 << (bits - 1)) if packed else zp.to(torch.int32)
+
+    def decode(self, module, tensors, metas, spec) -> QuantizedWeight | torch.Tensor:
         scheme = self.scheme_for(module)
         n, k, group = spec.out_features, spec.in_features, spec.group_size
         bits = scheme["bits"]
@@ -155,10 +165,10 @@ class CompressedTensors(QuantFormat):
         g_idx = tensors.get("weight_g_idx")
         g_idx = g_idx.long() if g_idx is not None else torch.arange(k) // group
         if "weight_zero_point" in tensors:
-            zp = tensors["weight_zero_point"]
-            zp = unpack_int32(zp, bits, dim=0)[:n] - offset if "weight_packed" in tensors else zp.to(torch.int32)
-            zp = zp.expand(n, -1)
+            zp = self._zero_points(tensors["weight_zero_point"], "weight_packed" in tensors, bits, n).expand(n, -1)
             q = q - zp[:, g_idx]
+        if spec.decodes_to_float:
+            return dequantize(q, scales, g_idx)
         first = metas.get("weight_packed") or metas["weight"]
         values = to_int8(q, first).contiguous()
         return act_order(values, scales, g_idx, group, metas.get("weight_g_idx", first))
