@@ -179,6 +179,22 @@ def _tensors(path: str) -> dict[str, torch.Tensor]:
         return {k: f.get_tensor(k) for k in f.keys()}
 
 
+def test_gptq_g_idx_saved_as_int64_decodes_the_same(checkpoints, tmp_path):
+    """A packer that leaves g_idx as torch's default int64 (AutoGPTQ writes int32) means the same groups."""
+    path, _, _ = checkpoints["gptq-asym-act-order"]
+    dst = str(tmp_path / "int64")
+    os.makedirs(dst)
+    for name in os.listdir(path):
+        if name != "model.safetensors":
+            os.symlink(os.path.join(path, name), os.path.join(dst, name))
+    tensors = {k: v.long() if k.endswith(".g_idx") else v for k, v in _tensors(path).items()}
+    save_file(tensors, os.path.join(dst, "model.safetensors"))
+    want, got = _decoded(path), _decoded(dst)
+    assert set(got) == set(want)
+    for name, weight in want.items():
+        assert torch.equal(got[name].perm, weight.perm) and torch.equal(got[name].dequantize(), weight.dequantize())
+
+
 def test_fused_parts_with_different_act_orders_load_as_float(model_dirs, hf, tmp_path, monkeypatch):
     """desc_act g_idx drawn per module: layer 0's k_proj has an input order unlike q/v's, and a fused q/k/v
     layer runs one order, so that layer loads dequantized; the other layers keep their integers."""

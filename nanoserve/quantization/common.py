@@ -112,8 +112,9 @@ def act_order(q: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor, group:
     if torch.equal(g_idx, in_order):
         return QuantizedWeight(q, scales, group)
     if not torch.equal(torch.bincount(g_idx, minlength=groups), torch.bincount(in_order, minlength=groups)):
-        raise tensor_error(meta, f"does not assign group_size={group} input columns to every group (the last "
-                           f"one {k - (groups - 1) * group})")
+        last = k - (groups - 1) * group
+        raise tensor_error(meta, f"does not assign group_size={group} input columns to every group"
+                           + (f" (the last one: {last})" if last != group else ""))
     perm = torch.argsort(g_idx, stable=True)
     return QuantizedWeight(q[:, perm].contiguous(), scales, group, perm)
 

@@ -4,7 +4,7 @@ Per linear module (K inputs, N outputs, G = ceil(K / group_size) groups, f = 32 
   qweight  int32 [K / f, N]   packed along K: q[k, n] is bits b*(k % f) .. of qweight[k // f, n]
   qzeros   int32 [G, N / f]   packed along N the same way
   scales   float [G, N]
-  g_idx    int32 [K]          the group of each input column (k // group_size unless desc_act)
+  g_idx    int32 [K]          the group of each input column (k // group_size unless desc_act; int64 read too)
 and w[n, k] = (q[k, n] - z[g_idx[k], n]) * scales[g_idx[k], n], where the v1 convention
 (`checkpoint_format` "gptq", AutoGPTQ's pack) stores z - 1 (decoded as stored + 1, unmasked, as
 AutoGPTQ's own dequantization does) and v2 ("gptq_v2", GPTQModel) stores z. At 8 bits with zero points
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from nanoserve.quantization.common import (
-    F16, F32, BF16, I32, ModuleSpec, QuantFormat, TensorMeta, act_order, config_error, dequantize, expect,
+    F16, F32, BF16, I32, I64, ModuleSpec, QuantFormat, TensorMeta, act_order, config_error, dequantize, expect,
     input_order, require, to_int8, trivial_g_idx, unpack_int32,
 )
 from nanoserve.quantization.weight import QuantizedWeight
@@ -70,7 +70,7 @@ class GPTQ(QuantFormat):
         expect(metas["scales"], (groups, n), (F16, BF16, F32), why)
         expect(metas["qzeros"], (groups, n // self.per_word), (I32,), why)
         if "g_idx" in metas:
-            expect(metas["g_idx"], (k,), (I32,), why)
+            expect(metas["g_idx"], (k,), (I32, I64), why)
         order = input_order(read("g_idx"), k, min(group, k)) if self.desc_act and "g_idx" in metas else None
         return ModuleSpec(n, k, min(group, k), self.desc_act, decodes_to_float=not self._fits_int8(read),
                           input_order=order)
