@@ -264,6 +264,26 @@ def test_tensor_parallel_shards_quantized_layers_on_group_boundaries(model_dirs,
     assert [o.outputs[0].token_ids for o in tp2] == [o.outputs[0].token_ids for o in tp1]
 
 
+def test_desc_act_with_g_idx_in_input_order_runs_and_shards_as_plain_groups(model_dirs, tmp_path):
+    """desc_act: true whose g_idx is k // group_size (GPTQ static groups): no permutation to run, so the
+    layers shard over tensor parallelism like any grouped weight (act-order proper cannot)."""
+    path = str(tmp_path / "in-order")
+    write_quantized_checkpoint(model_dirs["untied-gqa4"], path, "gptq", group_size=16)
+    static = _with_config(path, tmp_path / "static", desc_act=True, static_groups=True)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(2, 4, 10, seed=5)]
+    llm = LLM(static, **ENGINE)
+    assert all(getattr(m.gemm, "perm", None) is None for m in llm.engine.model_runner.model.modules()
+               if isinstance(m, LinearBase))
+    tp1 = llm.generate(prompts, GREEDY, use_tqdm=False)
+    del llm
+    tp2_llm = LLM(static, tensor_parallel_size=2, **ENGINE)
+    try:
+        tp2 = tp2_llm.generate(prompts, GREEDY, use_tqdm=False)
+    finally:
+        tp2_llm.close()
+    assert [o.outputs[0].token_ids for o in tp2] == [o.outputs[0].token_ids for o in tp1]
+
+
 def test_tensor_parallel_refuses_layouts_that_cannot_shard(checkpoints):
     path, _, _ = checkpoints["gptq-asym-act-order"]
     with pytest.raises(ValueError, match=r"act-order .* cannot be split across tensor_parallel_size=2"):

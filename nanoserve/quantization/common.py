@@ -33,7 +33,7 @@ class ModuleSpec:
     out_features: int
     in_features: int
     group_size: int  # in_features when per channel
-    act_order: bool  # the format may reorder input columns (GPTQ desc_act, compressed-tensors g_idx)
+    act_order: bool  # the input columns are reordered (GPTQ desc_act, compressed-tensors g_idx not in k order)
     decodes_to_float: bool = False  # run as a float weight (FP8; 8-bit integers whose q - z overflow int8)
     # act-order: the g_idx's bytes (None in input order); a fused layer runs one order, so its parts must agree
     input_order: bytes | None = None

@@ -144,7 +144,7 @@ class CompressedTensors(QuantFormat):
         # 8 bits with zero points: q - zp spans [-255, 255], more than the int8 kernels hold: run in float
         fits_int8 = bits == 4 or scheme["symmetric"] or not bool(self._zero_points(read("weight_zero_point"),
                                                                                      packed, bits, n).any())
-        return ModuleSpec(n, k, group, "weight_g_idx" in metas, decodes_to_float=not fits_int8, input_order=order)
+        return ModuleSpec(n, k, group, order is not None, decodes_to_float=not fits_int8, input_order=order)
 
     @staticmethod
     def _zero_points(zp: torch.Tensor, packed: bool, bits: int, n: int) -> torch.Tensor:

@@ -72,7 +72,8 @@ class GPTQ(QuantFormat):
         if "g_idx" in metas:
             expect(metas["g_idx"], (k,), (I32, I64), why)
         order = input_order(read("g_idx"), k, min(group, k)) if self.desc_act and "g_idx" in metas else None
-        return ModuleSpec(n, k, min(group, k), self.desc_act, decodes_to_float=not self._fits_int8(read),
+        # desc_act with g_idx in input order (static groups) runs, and shards, as a plain grouped weight
+        return ModuleSpec(n, k, min(group, k), order is not None, decodes_to_float=not self._fits_int8(read),
                           input_order=order)
 
     def _zeros(self, qzeros: torch.Tensor) -> torch.Tensor:
