@@ -326,6 +326,7 @@ def _with_config(path: str, dst, **changes) -> str:
     ("fp8", dict(weight_block_size=None), r"weight_block_size=None"),
     ("ct-w4a16", dict(format="float-quantized"), r"config_groups.group_0.format='float-quantized'"),
     ("ct-w4a16", dict(quantization_status="frozen"), r"quantization_status='frozen'"),
+    ("ct-w4a16", dict(sparsity_config=["dense"]), r"quantization_config.sparsity_config=\['dense'\] is not supported"),
 ])
 def test_unsupported_configs_are_refused_by_field(checkpoints, tmp_path, name, changes, message):
     path, _, _ = checkpoints[name]

@@ -56,7 +56,7 @@ def _check_scheme(name: str, scheme: dict, default_format, source: str) -> dict:
     if w.get("block_structure") is not None:
         raise config_error(source, f"{where}.weights.block_structure", w["block_structure"], "null")
     act = scheme.get("input_activations")
-    if act is not None and not (act.get("type", "int") == "int" and act.get("num_bits") == 8
+    if act is not None and not (isinstance(act, dict) and act.get("type", "int") == "int" and act.get("num_bits") == 8
                                 and act.get("strategy") == "token" and act.get("dynamic") is True
                                 and act.get("symmetric", True) is True):
         raise config_error(source, f"{where}.input_activations", act,
@@ -80,6 +80,8 @@ class CompressedTensors(QuantFormat):
             if qcfg.get(name) is not None:
                 raise config_error(source, name, qcfg[name], "null")
         sparsity = qcfg.get("sparsity_config")
+        if sparsity and not isinstance(sparsity, dict):
+            raise config_error(source, "sparsity_config", sparsity, "null or an object")
         if sparsity and sparsity.get("format", "dense") != "dense":
             raise config_error(source, "sparsity_config.format", sparsity.get("format"), "'dense'")
         groups = qcfg.get("config_groups")
