@@ -319,6 +319,7 @@ def _with_config(path: str, dst, **changes) -> str:
     ("gptq-sym", dict(bits=3), r"quantization_config.bits=3 is not supported \(4 or 8\)"),
     ("gptq-sym", dict(group_size=7), r"quantization_config.group_size=7 is not supported"),
     ("gptq-sym", dict(checkpoint_format="marlin"), r"quantization_config.checkpoint_format='marlin'"),
+    ("gptq-sym", dict(checkpoint_format=["gptq"]), r"quantization_config.checkpoint_format=\['gptq'\]"),
     ("gptq-sym", dict(quant_method="bitsandbytes"), r"quant_method='bitsandbytes' is not supported"),
     ("awq", dict(version="gemv"), r"quantization_config.version='gemv' is not supported"),
     ("awq", dict(zero_point=False), r"quantization_config.zero_point=False"),
@@ -326,6 +327,7 @@ def _with_config(path: str, dst, **changes) -> str:
     ("fp8", dict(weight_block_size=None), r"weight_block_size=None"),
     ("ct-w4a16", dict(format="float-quantized"), r"config_groups.group_0.format='float-quantized'"),
     ("ct-w4a16", dict(quantization_status="frozen"), r"quantization_status='frozen'"),
+    ("ct-w4a16", dict(ignore=["lm_head", None]), r"quantization_config.ignore=\['lm_head', None\] is not supported"),
     ("ct-w4a16", dict(sparsity_config=["dense"]), r"quantization_config.sparsity_config=\['dense'\] is not supported"),
 ])
 def test_unsupported_configs_are_refused_by_field(checkpoints, tmp_path, name, changes, message):

@@ -41,7 +41,7 @@ def checkpoint_format(hf_config: dict, source: str) -> QuantFormat | None:
     if not isinstance(qcfg, dict):
         raise ValueError(f"{source}: quantization_config must be an object, got {type(qcfg).__name__}")
     method = qcfg.get("quant_method")
-    if method not in FORMATS:
+    if not isinstance(method, str) or method not in FORMATS:
         raise ValueError(f"{source}: quantization_config.quant_method={method!r} is not supported "
                          f"(one of {', '.join(FORMATS)})")
     return FORMATS[method](qcfg, source)

@@ -27,13 +27,17 @@ STRATEGIES = ("channel", "group", "tensor")
 ACTORDERS = (None, False, "weight", "static", "group", "dynamic")
 
 
+def _names(value) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
 def _check_scheme(name: str, scheme: dict, default_format, source: str) -> dict:
     where = f"config_groups.{name}"
-    if not isinstance(scheme, dict) or not isinstance(scheme.get("targets"), list):
+    if not isinstance(scheme, dict) or not _names(scheme.get("targets")):
         raise config_error(source, f"{where}.targets", scheme.get("targets") if isinstance(scheme, dict) else scheme,
                            "a list of module names, regexes ('re:...') or 'Linear'")
     fmt = scheme.get("format") or default_format
-    if fmt not in FORMATS:
+    if not isinstance(fmt, str) or fmt not in FORMATS:
         raise config_error(source, f"{where}.format", fmt, f"one of {', '.join(FORMATS)}")
     w = scheme.get("weights")
     if not isinstance(w, dict):
@@ -89,7 +93,7 @@ class CompressedTensors(QuantFormat):
             raise config_error(source, "config_groups", groups, "one or more schemes")
         self.schemes = [_check_scheme(name, s, qcfg.get("format"), source) for name, s in groups.items()]
         self.ignore = qcfg.get("ignore") or []
-        if not isinstance(self.ignore, list):
+        if not _names(self.ignore):
             raise config_error(source, "ignore", self.ignore, "a list of module names or regexes")
 
     def scheme_for(self, module: str) -> dict | None:

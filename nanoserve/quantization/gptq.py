@@ -41,7 +41,7 @@ class GPTQ(QuantFormat):
             raise config_error(source, "bits", self.bits, "4 or 8")
         self.group_size = check_group_size(qcfg.get("group_size", 128), source)
         fmt = qcfg.get("checkpoint_format", qcfg.get("format", "gptq"))
-        if fmt not in CHECKPOINT_FORMATS:
+        if not isinstance(fmt, str) or fmt not in CHECKPOINT_FORMATS:
             raise config_error(source, "checkpoint_format", fmt, f"one of {', '.join(CHECKPOINT_FORMATS)}")
         self.version = CHECKPOINT_FORMATS[fmt]
         self.desc_act = qcfg.get("desc_act", False)
