@@ -7,6 +7,7 @@ read) and `decode` them into a QuantizedWeight (or a float weight, for formats r
 """
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 
@@ -35,7 +36,7 @@ class ModuleSpec:
     group_size: int  # in_features when per channel
     act_order: bool  # the input columns are reordered (GPTQ desc_act, compressed-tensors g_idx not in k order)
     decodes_to_float: bool = False  # run as a float weight (FP8; 8-bit integers whose q - z overflow int8)
-    # act-order: the g_idx's bytes (None in input order); a fused layer runs one order, so its parts must agree
+    # act-order: a digest of g_idx (None in input order); a fused layer runs one order, so its parts must agree
     input_order: bytes | None = None
 
 
@@ -86,9 +87,12 @@ def trivial_g_idx(k: int, group: int) -> torch.Tensor:
 
 
 def input_order(g_idx: torch.Tensor, k: int, group: int) -> bytes | None:
-    """ModuleSpec.input_order of a module with this g_idx."""
+    """ModuleSpec.input_order of a module with this g_idx: None in input order, else a digest of it (equal
+    digests, equal orders; kept small, as every module's spec is held until the load ends)."""
     g_idx = g_idx.long()
-    return None if torch.equal(g_idx, trivial_g_idx(k, group)) else g_idx.numpy().tobytes()
+    if torch.equal(g_idx, trivial_g_idx(k, group)):
+        return None
+    return hashlib.blake2b(g_idx.numpy().tobytes(), digest_size=16).digest()
 
 
 def dequantize(values: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor) -> torch.Tensor:
