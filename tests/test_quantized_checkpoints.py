@@ -94,15 +94,10 @@ def _int4(name: str) -> bool:
     return kind in ("gptq", "awq", "ct-pack") and options.get("bits", 4) == 4
 
 
-def _exact_path(name: str) -> str:
-    return "w4a16" if _int4(name) else "auto"  # int4's default, W4A8, rounds the activations
-
-
-@pytest.mark.parametrize("name, int8_path",
-                         [(name, _exact_path(name)) for name in CASES] + [("gptq-asym-act-order", "w8a16")])
+@pytest.mark.parametrize("name, int8_path", [(name, "auto") for name in CASES] + [("gptq-asym-act-order", "w8a16")])
 def test_greedy_tokens_equal_hf_on_the_dequantized_weights(checkpoints, hf, monkeypatch, name, int8_path):
-    """int4 checkpoints through W4A16 (NANOSERVE_CPU_INT8=w4a16) or their integers through the int8
-    kernels (w8a16), 8-bit ones the int8 kernels by default; all exact, so HF's tokens."""
+    """By default in float32, int4 checkpoints run W4A16 and 8-bit ones the int8 kernels (W8A16); int4
+    integers also through the int8 kernels (w8a16): all exact, so HF's tokens."""
     monkeypatch.setenv("NANOSERVE_CPU_INT8", int8_path)
     path, twin, _ = checkpoints[name]
     llm = LLM(path, **ENGINE)
@@ -111,8 +106,9 @@ def test_greedy_tokens_equal_hf_on_the_dequantized_weights(checkpoints, hf, monk
     if name in RUN_IN_FLOAT:
         assert not any(isinstance(g, (Int4Gemm, Int8Gemm)) for g in gemms)
     elif llm.engine.model_runner.backend.int8 is not None:  # the integers run as they are
-        expected = Int4Gemm if _int4(name) and int8_path == "w4a16" else Int8Gemm
+        expected = Int4Gemm if _int4(name) and int8_path == "auto" else Int8Gemm
         assert gemms and all(type(g) is expected for g in gemms)
+        assert not any(isinstance(g, Int4Gemm) and g.weight.w4a8 for g in gemms)  # float32: activations exact
         assert any(g.perm is not None for g in gemms) == CASES[name][1].get("act_order", False)
     prompts = random_prompts(3, 4, 12, seed=7)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
@@ -121,24 +117,27 @@ def test_greedy_tokens_equal_hf_on_the_dequantized_weights(checkpoints, hf, monk
 
 
 @pytest.mark.parametrize("name", ["gptq-sym", "awq", "ct-w4a16-asym-act-order"])
-def test_int4_runs_w4a8_by_default_within_the_accuracy_gate(checkpoints, name):
-    """The default int4 path rounds activations to int8 per block of 32 (outliers exact): against the
-    exact W4A16 on the same weights, teacher-forced, it may differ no more than bf16 activations do."""
+def test_int4_runs_w4a8_by_default_in_bf16_within_the_accuracy_gate(checkpoints, name):
+    """The default int4 path in bf16 rounds activations to int8 per block of 32 (outliers exact): against
+    the exact W4A16 on the same weights, teacher-forced, it may differ no more than bf16 activations do.
+    A float32 model asked for exact activations: there the default is W4A16."""
     import random
 
     from nanoserve.bench.accuracy import measure_accuracy
 
     path, _, _ = checkpoints[name]
-    llm = LLM(path, **ENGINE)
-    if llm.engine.model_runner.backend.int8 is None:
-        pytest.skip("no AVX2/FMA build of the CPU kernels")
-    gemms = [m.gemm for m in llm.engine.model_runner.model.modules() if isinstance(m, LinearBase)]
-    assert gemms and all(isinstance(g, Int4Gemm) and g.weight.w4a8 for g in gemms)
-    assert llm.engine.model_runner.backend.describe()["quantized linears"] == "int4 W4A8"  # what bench.py prints
-    del llm
+    for dtype, w4a8, described in (("bfloat16", True, "int4 W4A8"), ("float32", False, "int4 W4A16")):
+        llm = LLM(path, **{**ENGINE, "dtype": dtype})
+        if llm.engine.model_runner.backend.int8 is None:
+            pytest.skip("no AVX2/FMA build of the CPU kernels")
+        gemms = [m.gemm for m in llm.engine.model_runner.model.modules() if isinstance(m, LinearBase)]
+        assert gemms and all(isinstance(g, Int4Gemm) and g.weight.w4a8 == w4a8 for g in gemms), dtype
+        assert llm.engine.model_runner.backend.describe()["quantized linears"] == described  # what bench.py prints
+        del llm
     rng = random.Random(0)
     prompts = [[rng.randrange(500) for _ in range(rng.randint(4, 16))] for _ in range(8)]
-    paths = {"W4A16": {"int8": "w4a16"}, "W4A8": {}, "W4A16 bf16": {"int8": "w4a16", "llm": {"dtype": "bfloat16"}}}
+    paths = {"W4A16": {"int8": "w4a16"}, "W4A8": {"int8": "w4a8"},
+             "W4A16 bf16": {"int8": "w4a16", "llm": {"dtype": "bfloat16"}}}
     got = {r.path: r for r in measure_accuracy(path, prompts, 24, paths, **ENGINE)[0]}
     floor = got["W4A16 bf16"]
     assert got["W4A8"].top1_agreement >= floor.top1_agreement - 0.05
@@ -195,10 +194,9 @@ def test_gptq_g_idx_saved_as_int64_decodes_the_same(checkpoints, tmp_path):
         assert torch.equal(got[name].perm, weight.perm) and torch.equal(got[name].dequantize(), weight.dequantize())
 
 
-def test_fused_parts_with_different_act_orders_load_as_float(model_dirs, hf, tmp_path, monkeypatch):
+def test_fused_parts_with_different_act_orders_load_as_float(model_dirs, hf, tmp_path):
     """desc_act g_idx drawn per module: layer 0's k_proj has an input order unlike q/v's, and a fused q/k/v
     layer runs one order, so that layer loads dequantized; the other layers keep their integers."""
-    monkeypatch.setenv("NANOSERVE_CPU_INT8", "w4a16")  # exact, so HF's tokens
     dst, other, twin = str(tmp_path / "q"), str(tmp_path / "other-order"), str(tmp_path / "float")
     write_quantized_checkpoint(model_dirs["untied-gqa4"], dst, "gptq", twin, act_order=True)
     other_weights = write_quantized_checkpoint(model_dirs["untied-gqa4"], other, "gptq", act_order=True, seed=1)
