@@ -242,6 +242,35 @@ def test_compressed_tensors_library_decompresses_to_the_same_weights(checkpoints
             assert torch.equal(ours.dequantize().half(), theirs), weight_name  # one rounding of the same product
 
 
+@pytest.mark.parametrize("fmt", ["pack-quantized", "int-quantized"])
+def test_compressed_tensors_library_per_tensor_asymmetric_checkpoint_decodes_as_it_decompresses(tmp_path, fmt):
+    """Per tensor, asymmetric: the library keeps the zero point an unpacked int8 [1] even in pack-quantized
+    (its PACK_ZP_STRATS are group and channel only)."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors.base import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+
+    bits = 4 if fmt == "pack-quantized" else 8
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(num_bits=bits, type="int",
+                                                                             symmetric=False, strategy="tensor"))
+    compressor = BaseCompressor.get_value_from_registry(fmt)
+    w = torch.randn(24, 64, generator=torch.Generator().manual_seed(0)) + 0.5  # off-centre: a real zero point
+    qmin, qmax = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    lo, hi = min(float(w.min()), 0.0), max(float(w.max()), 0.0)
+    scale = torch.tensor([(hi - lo) / (qmax - qmin)])
+    zero_point = torch.tensor([round(qmin - lo / float(scale))], dtype=torch.int8)
+    state = compressor.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zero_point}, scheme)
+    assert state["weight_zero_point"].dtype == torch.int8 and state["weight_zero_point"].shape == (1,)
+    module = "model.layers.0.mlp.down_proj"
+    save_file({f"{module}.{k}": v.contiguous() for k, v in state.items()}, str(tmp_path / "model.safetensors"))
+    qcfg = QuantizationConfig(config_groups={"group_0": scheme}, format=fmt, quantization_status="compressed",
+                              ignore=["lm_head"]).model_dump()
+    checkpoint = open_checkpoint(str(tmp_path), {"quantization_config": qcfg}, [str(tmp_path / "model.safetensors")])
+    decoded = checkpoint.decode(module, dict(state))
+    ours = decoded if isinstance(decoded, torch.Tensor) else decoded.dequantize()
+    assert torch.equal(ours, compressor.decompress(dict(state), scheme)["weight"])
+
+
 # ---- tensor parallelism -------------------------------------------------------------------------
 
 

@@ -4,6 +4,7 @@ Schemes (`config_groups`, each with `targets` and a `format`, or the top-level `
   pack-quantized  weight_packed int32 [N, ceil(K * bits / 32)]: K packed densely, value j at bits
                   bits*j, stored offset-binary (signed q + 2**(bits-1)); weight_shape [N, K];
                   weight_zero_point (asymmetric only) int32 [ceil(N * bits / 32), G] packed along N
+                  (per tensor: an int8 [1], unpacked)
   int-quantized   weight int8 [N, K]; weight_zero_point int8 [N, G] (asymmetric only)
 both with weight_scale float [N, G] (G = 1 per channel, ceil(K / group_size) per group; a
 per-tensor scale [1] is the same scale on every channel) and, for `actorder: group`, weight_g_idx
@@ -139,8 +140,12 @@ class CompressedTensors(QuantFormat):
         expect(metas["weight_scale"], scale_shape, (F32, F16, BF16), why)
         if not scheme["symmetric"]:
             require(metas, module, ("weight_zero_point",), first.path)
-            zp_shape = (-(-n * bits // 32), groups) if packed else scale_shape
-            expect(metas["weight_zero_point"], zp_shape, (I32,) if packed else (I8, I32), f"asymmetric, {why}")
+            zp = metas["weight_zero_point"]
+            if self._packs_zero_points(scheme):
+                expect(zp, (-(-n * bits // 32), groups), (I32,), f"asymmetric, {why}")
+            else:
+                expect(zp, (1,) * len(zp.shape) if scheme["strategy"] == "tensor" else scale_shape, (I8, I32),
+                       f"asymmetric, {why}")
         elif "weight_zero_point" in metas:
             raise tensor_error(metas["weight_zero_point"], "is present but the scheme is symmetric")
         order = None
@@ -148,9 +153,15 @@ class CompressedTensors(QuantFormat):
             expect(metas["weight_g_idx"], (k,), (I32, I64), why)
             order = input_order(read("weight_g_idx"), k, group)
         # 8 bits with zero points: q - zp spans [-255, 255], more than the int8 kernels hold: run in float
-        fits_int8 = bits == 4 or scheme["symmetric"] or not bool(self._zero_points(read("weight_zero_point"),
-                                                                                     packed, bits, n).any())
+        fits_int8 = bits == 4 or scheme["symmetric"] or not bool(self._zero_points(
+            read("weight_zero_point"), self._packs_zero_points(scheme), bits, n).any())
         return ModuleSpec(n, k, group, order is not None, decodes_to_float=not fits_int8, input_order=order)
+
+    @staticmethod
+    def _packs_zero_points(scheme: dict) -> bool:
+        """pack-quantized packs per-group and per-channel zero points along N; a per-tensor one stays
+        an int8 scalar (compressed-tensors' PACK_ZP_STRATS)."""
+        return scheme["format"] == "pack-quantized" and scheme["strategy"] != "tensor"
 
     @staticmethod
     def _zero_points(zp: torch.Tensor, packed: bool, bits: int, n: int) -> torch.Tensor:
@@ -171,7 +182,8 @@ class CompressedTensors(QuantFormat):
         g_idx = tensors.get("weight_g_idx")
         g_idx = g_idx.long() if g_idx is not None else torch.arange(k) // group
         if "weight_zero_point" in tensors:
-            zp = self._zero_points(tensors["weight_zero_point"], "weight_packed" in tensors, bits, n).expand(n, -1)
+            zp = tensors["weight_zero_point"]
+            zp = self._zero_points(zp, self._packs_zero_points(scheme), bits, n).reshape(-1, zp.shape[-1]).expand(n, -1)
             q = q - zp[:, g_idx]
         if spec.decodes_to_float:
             return dequantize(q, scales, g_idx)
