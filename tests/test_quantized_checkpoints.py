@@ -242,25 +242,35 @@ def test_compressed_tensors_library_decompresses_to_the_same_weights(checkpoints
             assert torch.equal(ours.dequantize().half(), theirs), weight_name  # one rounding of the same product
 
 
-@pytest.mark.parametrize("fmt", ["pack-quantized", "int-quantized"])
-def test_compressed_tensors_library_per_tensor_asymmetric_checkpoint_decodes_as_it_decompresses(tmp_path, fmt):
-    """Per tensor, asymmetric: the library keeps the zero point an unpacked int8 [1] even in pack-quantized
-    (its PACK_ZP_STRATS are group and channel only)."""
+@pytest.mark.parametrize("bits, strategy, group_size, symmetric, activations", [
+    (4, "tensor", None, False, False),  # pack-quantized: a per-tensor zero point stays an unpacked int8 [1]
+    (8, "tensor", None, False, False),
+    (4, "group", 128, True, True),  # the W4A8 preset: int-quantized, 4-bit values one per int8
+    (4, "group", 64, False, True),
+])
+def test_compressed_tensors_library_modules_decode_as_the_library_decompresses_them(
+        tmp_path, bits, strategy, group_size, symmetric, activations):
+    """Modules compressed by the compressed-tensors library itself, in the format it infers for the scheme."""
     pytest.importorskip("compressed_tensors")
     from compressed_tensors.compressors.base import BaseCompressor
+    from compressed_tensors.compressors.format import infer_module_format
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
-    bits = 4 if fmt == "pack-quantized" else 8
-    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(num_bits=bits, type="int",
-                                                                             symmetric=False, strategy="tensor"))
+    weights = QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric, strategy=strategy, group_size=group_size)
+    per_token = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
+    scheme = QuantizationScheme(targets=["Linear"], weights=weights, input_activations=per_token if activations else None)
+    fmt = infer_module_format(torch.nn.Linear, scheme).value
+    assert fmt == ("int-quantized" if activations else "pack-quantized")
     compressor = BaseCompressor.get_value_from_registry(fmt)
-    w = torch.randn(24, 64, generator=torch.Generator().manual_seed(0)) + 0.5  # off-centre: a real zero point
+    w = torch.randn(24, 256, generator=torch.Generator().manual_seed(0)) + 0.5  # off-centre: real zero points
     qmin, qmax = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
-    lo, hi = min(float(w.min()), 0.0), max(float(w.max()), 0.0)
-    scale = torch.tensor([(hi - lo) / (qmax - qmin)])
-    zero_point = torch.tensor([round(qmin - lo / float(scale))], dtype=torch.int8)
-    state = compressor.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zero_point}, scheme)
-    assert state["weight_zero_point"].dtype == torch.int8 and state["weight_zero_point"].shape == (1,)
+    groups = w.reshape(1, -1) if strategy == "tensor" else w.reshape(24, -1, group_size)
+    lo, hi = groups.amin(-1).clamp(max=0), groups.amax(-1).clamp(min=0)
+    scale = (torch.maximum(-lo, hi) * 2 if symmetric else hi - lo) / (qmax - qmin)
+    state = {"weight": w, "weight_scale": scale.reshape(1) if strategy == "tensor" else scale}
+    if not symmetric:
+        state["weight_zero_point"] = torch.round(qmin - lo / scale).clamp(qmin, qmax).to(torch.int8).reshape(scale.shape)
+    state = compressor.compress(state, scheme)
     module = "model.layers.0.mlp.down_proj"
     save_file({f"{module}.{k}": v.contiguous() for k, v in state.items()}, str(tmp_path / "model.safetensors"))
     qcfg = QuantizationConfig(config_groups={"group_0": scheme}, format=fmt, quantization_status="compressed",

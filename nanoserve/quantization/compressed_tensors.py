@@ -5,7 +5,8 @@ Schemes (`config_groups`, each with `targets` and a `format`, or the top-level `
                   bits*j, stored offset-binary (signed q + 2**(bits-1)); weight_shape [N, K];
                   weight_zero_point (asymmetric only) int32 [ceil(N * bits / 32), G] packed along N
                   (per tensor: an int8 [1], unpacked)
-  int-quantized   weight int8 [N, K]; weight_zero_point int8 [N, G] (asymmetric only)
+  int-quantized   weight int8 [N, K] (4- or 8-bit values; the library's format whenever activations are
+                  quantized too, W4A8 included); weight_zero_point int8 [N, G] (asymmetric only)
 both with weight_scale float [N, G] (G = 1 per channel, ceil(K / group_size) per group; a
 per-tensor scale [1] is the same scale on every channel) and, for `actorder: group`, weight_g_idx
 int32 [K]. w[n, k] = (q[n, k] - zp[n, g(k)]) * scale[n, g(k)]. Activations: none (W4A16, W8A16)
@@ -23,7 +24,9 @@ from nanoserve.quantization.common import (
 )
 from nanoserve.quantization.weight import QuantizedWeight
 
-FORMATS = {"pack-quantized": (4, 8), "int-quantized": (8,), "naive-quantized": (8,)}
+# int-quantized (what the library picks for any int scheme with activations, W4A8 included) stores 4-bit values
+# unpacked, one per int8, like 8-bit ones
+FORMATS = {"pack-quantized": (4, 8), "int-quantized": (4, 8), "naive-quantized": (4, 8)}
 STRATEGIES = ("channel", "group", "tensor")
 ACTORDERS = (None, False, "weight", "static", "group", "dynamic")
 
