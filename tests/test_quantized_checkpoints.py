@@ -212,7 +212,8 @@ def test_fused_parts_with_different_act_orders_load_as_float(model_dirs, hf, tmp
     if llm.engine.model_runner.backend.int8 is not None:
         assert not isinstance(layers[0].self_attn.qkv_proj.gemm, (Int4Gemm, Int8Gemm))
         assert all(isinstance(layer.mlp.gate_up_proj.gemm, Int4Gemm) for layer in layers)
-        assert isinstance(layers[1].self_attn.qkv_proj.gemm, Int4Gemm) and layers[1].self_attn.qkv_proj.gemm.perm is not None
+        qkv = layers[1].self_attn.qkv_proj.gemm
+        assert isinstance(qkv, Int4Gemm) and qkv.perm is not None
     prompt = [5, 9, 14, 3, 77]
     out = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)
     assert list(out[0].outputs[0].token_ids) == hf.greedy(twin, prompt, GREEDY.max_tokens)
@@ -258,7 +259,8 @@ def test_compressed_tensors_library_modules_decode_as_the_library_decompresses_t
 
     weights = QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric, strategy=strategy, group_size=group_size)
     per_token = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
-    scheme = QuantizationScheme(targets=["Linear"], weights=weights, input_activations=per_token if activations else None)
+    scheme = QuantizationScheme(targets=["Linear"], weights=weights,
+                                input_activations=per_token if activations else None)
     fmt = infer_module_format(torch.nn.Linear, scheme).value
     assert fmt == ("int-quantized" if activations else "pack-quantized")
     compressor = BaseCompressor.get_value_from_registry(fmt)
@@ -269,7 +271,8 @@ def test_compressed_tensors_library_modules_decode_as_the_library_decompresses_t
     scale = (torch.maximum(-lo, hi) * 2 if symmetric else hi - lo) / (qmax - qmin)
     state = {"weight": w, "weight_scale": scale.reshape(1) if strategy == "tensor" else scale}
     if not symmetric:
-        state["weight_zero_point"] = torch.round(qmin - lo / scale).clamp(qmin, qmax).to(torch.int8).reshape(scale.shape)
+        zero_point = torch.round(qmin - lo / scale).clamp(qmin, qmax)
+        state["weight_zero_point"] = zero_point.to(torch.int8).reshape(scale.shape)
     state = compressor.compress(state, scheme)
     module = "model.layers.0.mlp.down_proj"
     save_file({f"{module}.{k}": v.contiguous() for k, v in state.items()}, str(tmp_path / "model.safetensors"))
