@@ -29,6 +29,11 @@ CASES = {
     "gptq-asym-act-order": ("gptq", dict(sym=False, act_order=True)),
     "gptq-v2-asym-per-channel": ("gptq", dict(sym=False, version=2, group_size=-1)),
     "gptq-8bit": ("gptq", dict(bits=8)),
+    # desc_act with group_size not dividing K (96, 160): the last group of each module is partial
+    "gptq-act-order-partial-groups": ("gptq", dict(act_order=True, group_size=64)),
+    # 8 bits with real zero points: q - z spans [-255, 255], so these modules run in float
+    "gptq-8bit-asym": ("gptq", dict(bits=8, sym=False)),
+    "ct-w8a16-asym": ("ct-pack", dict(bits=8, sym=False)),
     "awq": ("awq", {}),
     "ct-w4a16": ("ct-pack", {}),
     "ct-w4a16-asym": ("ct-pack", dict(sym=False)),
@@ -38,6 +43,7 @@ CASES = {
 }
 METHODS = {"gptq": "gptq", "awq": "awq", "ct-pack": "compressed-tensors", "ct-int8": "compressed-tensors",
            "fp8": "fp8"}
+RUN_IN_FLOAT = {"fp8", "gptq-8bit-asym", "ct-w8a16-asym"}  # decoded to float weights, run by the float GEMM
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 ENGINE = dict(dtype="float32", max_model_len=128, num_kvcache_blocks=64)
 
@@ -88,23 +94,21 @@ def _int4(name: str) -> bool:
     return kind in ("gptq", "awq", "ct-pack") and options.get("bits", 4) == 4
 
 
-def _exact_path(name: str) -> str:
-    return "w4a16" if _int4(name) else "auto"  # int4's default, W4A8, rounds the activations
-
-
-@pytest.mark.parametrize("name, int8_path",
-                         [(name, _exact_path(name)) for name in CASES] + [("gptq-asym-act-order", "w8a16")])
+@pytest.mark.parametrize("name, int8_path", [(name, "auto") for name in CASES] + [("gptq-asym-act-order", "w8a16")])
 def test_greedy_tokens_equal_hf_on_the_dequantized_weights(checkpoints, hf, monkeypatch, name, int8_path):
-    """int4 checkpoints through W4A16 (NANOSERVE_CPU_INT8=w4a16) or their integers through the int8
-    kernels (w8a16), 8-bit ones the int8 kernels by default; all exact, so HF's tokens."""
+    """By default in float32, int4 checkpoints run W4A16 and 8-bit ones the int8 kernels (W8A16); int4
+    integers also through the int8 kernels (w8a16): all exact, so HF's tokens."""
     monkeypatch.setenv("NANOSERVE_CPU_INT8", int8_path)
     path, twin, _ = checkpoints[name]
     llm = LLM(path, **ENGINE)
     assert llm.engine.config.quantization == METHODS[CASES[name][0]]
     gemms = [m.gemm for m in llm.engine.model_runner.model.modules() if isinstance(m, LinearBase)]
-    if llm.engine.model_runner.backend.int8 is not None and name != "fp8":  # the integers run as they are
-        expected = Int4Gemm if _int4(name) and int8_path == "w4a16" else Int8Gemm
+    if name in RUN_IN_FLOAT:
+        assert not any(isinstance(g, (Int4Gemm, Int8Gemm)) for g in gemms)
+    elif llm.engine.model_runner.backend.int8 is not None:  # the integers run as they are
+        expected = Int4Gemm if _int4(name) and int8_path == "auto" else Int8Gemm
         assert gemms and all(type(g) is expected for g in gemms)
+        assert not any(isinstance(g, Int4Gemm) and g.weight.w4a8 for g in gemms)  # float32: activations exact
         assert any(g.perm is not None for g in gemms) == CASES[name][1].get("act_order", False)
     prompts = random_prompts(3, 4, 12, seed=7)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
@@ -113,24 +117,27 @@ def test_greedy_tokens_equal_hf_on_the_dequantized_weights(checkpoints, hf, monk
 
 
 @pytest.mark.parametrize("name", ["gptq-sym", "awq", "ct-w4a16-asym-act-order"])
-def test_int4_runs_w4a8_by_default_within_the_accuracy_gate(checkpoints, name):
-    """The default int4 path rounds activations to int8 per block of 32 (outliers exact): against the
-    exact W4A16 on the same weights, teacher-forced, it may differ no more than bf16 activations do."""
+def test_int4_runs_w4a8_by_default_in_bf16_within_the_accuracy_gate(checkpoints, name):
+    """The default int4 path in bf16 rounds activations to int8 per block of 32 (outliers exact): against
+    the exact W4A16 on the same weights, teacher-forced, it may differ no more than bf16 activations do.
+    A float32 model asked for exact activations: there the default is W4A16."""
     import random
 
     from nanoserve.bench.accuracy import measure_accuracy
 
     path, _, _ = checkpoints[name]
-    llm = LLM(path, **ENGINE)
-    if llm.engine.model_runner.backend.int8 is None:
-        pytest.skip("no AVX2/FMA build of the CPU kernels")
-    gemms = [m.gemm for m in llm.engine.model_runner.model.modules() if isinstance(m, LinearBase)]
-    assert gemms and all(isinstance(g, Int4Gemm) and g.weight.w4a8 for g in gemms)
-    assert llm.engine.model_runner.backend.describe()["quantized linears"] == "int4 W4A8"  # what bench.py prints
-    del llm
+    for dtype, w4a8, described in (("bfloat16", True, "int4 W4A8"), ("float32", False, "int4 W4A16")):
+        llm = LLM(path, **{**ENGINE, "dtype": dtype})
+        if llm.engine.model_runner.backend.int8 is None:
+            pytest.skip("no AVX2/FMA build of the CPU kernels")
+        gemms = [m.gemm for m in llm.engine.model_runner.model.modules() if isinstance(m, LinearBase)]
+        assert gemms and all(isinstance(g, Int4Gemm) and g.weight.w4a8 == w4a8 for g in gemms), dtype
+        assert llm.engine.model_runner.backend.describe()["quantized linears"] == described  # what bench.py prints
+        del llm
     rng = random.Random(0)
     prompts = [[rng.randrange(500) for _ in range(rng.randint(4, 16))] for _ in range(8)]
-    paths = {"W4A16": {"int8": "w4a16"}, "W4A8": {}, "W4A16 bf16": {"int8": "w4a16", "llm": {"dtype": "bfloat16"}}}
+    paths = {"W4A16": {"int8": "w4a16"}, "W4A8": {"int8": "w4a8"},
+             "W4A16 bf16": {"int8": "w4a16", "llm": {"dtype": "bfloat16"}}}
     got = {r.path: r for r in measure_accuracy(path, prompts, 24, paths, **ENGINE)[0]}
     floor = got["W4A16 bf16"]
     assert got["W4A8"].top1_agreement >= floor.top1_agreement - 0.05
@@ -166,6 +173,52 @@ def test_mixed_checkpoints_load_with_the_float_modules_as_float(model_dirs, hf, 
     assert list(out[0].outputs[0].token_ids) == hf.greedy(twin, prompt, GREEDY.max_tokens)
 
 
+def _tensors(path: str) -> dict[str, torch.Tensor]:
+    with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def test_gptq_g_idx_saved_as_int64_decodes_the_same(checkpoints, tmp_path):
+    """A packer that leaves g_idx as torch's default int64 (AutoGPTQ writes int32) means the same groups."""
+    path, _, _ = checkpoints["gptq-asym-act-order"]
+    dst = str(tmp_path / "int64")
+    os.makedirs(dst)
+    for name in os.listdir(path):
+        if name != "model.safetensors":
+            os.symlink(os.path.join(path, name), os.path.join(dst, name))
+    tensors = {k: v.long() if k.endswith(".g_idx") else v for k, v in _tensors(path).items()}
+    save_file(tensors, os.path.join(dst, "model.safetensors"))
+    want, got = _decoded(path), _decoded(dst)
+    assert set(got) == set(want)
+    for name, weight in want.items():
+        assert torch.equal(got[name].perm, weight.perm) and torch.equal(got[name].dequantize(), weight.dequantize())
+
+
+def test_fused_parts_with_different_act_orders_load_as_float(model_dirs, hf, tmp_path):
+    """desc_act g_idx drawn per module: layer 0's k_proj has an input order unlike q/v's, and a fused q/k/v
+    layer runs one order, so that layer loads dequantized; the other layers keep their integers."""
+    dst, other, twin = str(tmp_path / "q"), str(tmp_path / "other-order"), str(tmp_path / "float")
+    write_quantized_checkpoint(model_dirs["untied-gqa4"], dst, "gptq", twin, act_order=True)
+    other_weights = write_quantized_checkpoint(model_dirs["untied-gqa4"], other, "gptq", act_order=True, seed=1)
+    k_proj = "model.layers.0.self_attn.k_proj."
+    packed, spliced = _tensors(dst), _tensors(other)
+    packed.update({k: v for k, v in spliced.items() if k.startswith(k_proj)})
+    assert not torch.equal(packed[k_proj + "g_idx"], packed[k_proj.replace("k_proj", "q_proj") + "g_idx"])
+    save_file(packed, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    save_file({**_tensors(twin), k_proj + "weight": other_weights[k_proj + "weight"]},
+              os.path.join(twin, "model.safetensors"), metadata={"format": "pt"})
+    llm = LLM(dst, **ENGINE)
+    layers = llm.engine.model_runner.model.model.layers
+    if llm.engine.model_runner.backend.int8 is not None:
+        assert not isinstance(layers[0].self_attn.qkv_proj.gemm, (Int4Gemm, Int8Gemm))
+        assert all(isinstance(layer.mlp.gate_up_proj.gemm, Int4Gemm) for layer in layers)
+        qkv = layers[1].self_attn.qkv_proj.gemm
+        assert isinstance(qkv, Int4Gemm) and qkv.perm is not None
+    prompt = [5, 9, 14, 3, 77]
+    out = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)
+    assert list(out[0].outputs[0].token_ids) == hf.greedy(twin, prompt, GREEDY.max_tokens)
+
+
 # ---- compressed-tensors' own decompressor as a second oracle -----------------------------------
 
 
@@ -190,6 +243,47 @@ def test_compressed_tensors_library_decompresses_to_the_same_weights(checkpoints
             assert torch.equal(ours.dequantize().half(), theirs), weight_name  # one rounding of the same product
 
 
+@pytest.mark.parametrize("bits, strategy, group_size, symmetric, activations", [
+    (4, "tensor", None, False, False),  # pack-quantized: a per-tensor zero point stays an unpacked int8 [1]
+    (8, "tensor", None, False, False),
+    (4, "group", 128, True, True),  # the W4A8 preset: int-quantized, 4-bit values one per int8
+    (4, "group", 64, False, True),
+])
+def test_compressed_tensors_library_modules_decode_as_the_library_decompresses_them(
+        tmp_path, bits, strategy, group_size, symmetric, activations):
+    """Modules compressed by the compressed-tensors library itself, in the format it infers for the scheme."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors.base import BaseCompressor
+    from compressed_tensors.compressors.format import infer_module_format
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+
+    weights = QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric, strategy=strategy, group_size=group_size)
+    per_token = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
+    scheme = QuantizationScheme(targets=["Linear"], weights=weights,
+                                input_activations=per_token if activations else None)
+    fmt = infer_module_format(torch.nn.Linear, scheme).value
+    assert fmt == ("int-quantized" if activations else "pack-quantized")
+    compressor = BaseCompressor.get_value_from_registry(fmt)
+    w = torch.randn(24, 256, generator=torch.Generator().manual_seed(0)) + 0.5  # off-centre: real zero points
+    qmin, qmax = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    groups = w.reshape(1, -1) if strategy == "tensor" else w.reshape(24, -1, group_size)
+    lo, hi = groups.amin(-1).clamp(max=0), groups.amax(-1).clamp(min=0)
+    scale = (torch.maximum(-lo, hi) * 2 if symmetric else hi - lo) / (qmax - qmin)
+    state = {"weight": w, "weight_scale": scale.reshape(1) if strategy == "tensor" else scale}
+    if not symmetric:
+        zero_point = torch.round(qmin - lo / scale).clamp(qmin, qmax)
+        state["weight_zero_point"] = zero_point.to(torch.int8).reshape(scale.shape)
+    state = compressor.compress(state, scheme)
+    module = "model.layers.0.mlp.down_proj"
+    save_file({f"{module}.{k}": v.contiguous() for k, v in state.items()}, str(tmp_path / "model.safetensors"))
+    qcfg = QuantizationConfig(config_groups={"group_0": scheme}, format=fmt, quantization_status="compressed",
+                              ignore=["lm_head"]).model_dump()
+    checkpoint = open_checkpoint(str(tmp_path), {"quantization_config": qcfg}, [str(tmp_path / "model.safetensors")])
+    decoded = checkpoint.decode(module, dict(state))
+    ours = decoded if isinstance(decoded, torch.Tensor) else decoded.dequantize()
+    assert torch.equal(ours, compressor.decompress(dict(state), scheme)["weight"])
+
+
 # ---- tensor parallelism -------------------------------------------------------------------------
 
 
@@ -203,6 +297,26 @@ def test_tensor_parallel_shards_quantized_layers_on_group_boundaries(model_dirs,
     prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 4, 10, seed=5)]
     tp1 = LLM(path, **ENGINE).generate(prompts, GREEDY, use_tqdm=False)
     tp2_llm = LLM(path, tensor_parallel_size=2, **ENGINE)
+    try:
+        tp2 = tp2_llm.generate(prompts, GREEDY, use_tqdm=False)
+    finally:
+        tp2_llm.close()
+    assert [o.outputs[0].token_ids for o in tp2] == [o.outputs[0].token_ids for o in tp1]
+
+
+def test_desc_act_with_g_idx_in_input_order_runs_and_shards_as_plain_groups(model_dirs, tmp_path):
+    """desc_act: true whose g_idx is k // group_size (GPTQ static groups): no permutation to run, so the
+    layers shard over tensor parallelism like any grouped weight (act-order proper cannot)."""
+    path = str(tmp_path / "in-order")
+    write_quantized_checkpoint(model_dirs["untied-gqa4"], path, "gptq", group_size=16)
+    static = _with_config(path, tmp_path / "static", desc_act=True, static_groups=True)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(2, 4, 10, seed=5)]
+    llm = LLM(static, **ENGINE)
+    assert all(getattr(m.gemm, "perm", None) is None for m in llm.engine.model_runner.model.modules()
+               if isinstance(m, LinearBase))
+    tp1 = llm.generate(prompts, GREEDY, use_tqdm=False)
+    del llm
+    tp2_llm = LLM(static, tensor_parallel_size=2, **ENGINE)
     try:
         tp2 = tp2_llm.generate(prompts, GREEDY, use_tqdm=False)
     finally:
@@ -245,6 +359,7 @@ def _with_config(path: str, dst, **changes) -> str:
     ("gptq-sym", dict(bits=3), r"quantization_config.bits=3 is not supported \(4 or 8\)"),
     ("gptq-sym", dict(group_size=7), r"quantization_config.group_size=7 is not supported"),
     ("gptq-sym", dict(checkpoint_format="marlin"), r"quantization_config.checkpoint_format='marlin'"),
+    ("gptq-sym", dict(checkpoint_format=["gptq"]), r"quantization_config.checkpoint_format=\['gptq'\]"),
     ("gptq-sym", dict(quant_method="bitsandbytes"), r"quant_method='bitsandbytes' is not supported"),
     ("awq", dict(version="gemv"), r"quantization_config.version='gemv' is not supported"),
     ("awq", dict(zero_point=False), r"quantization_config.zero_point=False"),
@@ -252,6 +367,8 @@ def _with_config(path: str, dst, **changes) -> str:
     ("fp8", dict(weight_block_size=None), r"weight_block_size=None"),
     ("ct-w4a16", dict(format="float-quantized"), r"config_groups.group_0.format='float-quantized'"),
     ("ct-w4a16", dict(quantization_status="frozen"), r"quantization_status='frozen'"),
+    ("ct-w4a16", dict(ignore=["lm_head", None]), r"quantization_config.ignore=\['lm_head', None\] is not supported"),
+    ("ct-w4a16", dict(sparsity_config=["dense"]), r"quantization_config.sparsity_config=\['dense'\] is not supported"),
 ])
 def test_unsupported_configs_are_refused_by_field(checkpoints, tmp_path, name, changes, message):
     path, _, _ = checkpoints[name]

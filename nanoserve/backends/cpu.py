@@ -26,8 +26,9 @@ Switches, read once at startup (`CPUOptions.from_env`):
   VLLM_BATCH_INVARIANT=1                batch-invariant kernels (as LLM(batch_invariant=True))
   NANOSERVE_CPU_INT8=auto|w8a16|w8a8|w4a8|w4a16
                                         with quantization="int8": the default (W8A16), or one int8 path
-                                        always. An int4 checkpoint: auto and w4a8 run W4A8 where its
-                                        groups are whole blocks of 32 inputs (W4A16 elsewhere), w4a16
+                                        always. An int4 checkpoint: w4a8 (and auto, unless the model
+                                        dtype is float32) runs W4A8 where its groups are whole blocks
+                                        of 32 inputs (W4A16 elsewhere), w4a16 (and auto in float32)
                                         always W4A16 (exact activations), w8a16/w8a8 its integers
                                         through that int8 path
 """
@@ -216,17 +217,26 @@ class CPUBackend(Backend):
         """A checkpoint's integers as they are (exact: no requantization): 4-bit ones through the int4
         kernels (half the int8 bytes) unless NANOSERVE_CPU_INT8 names an int8 path, the others through
         the int8 GEMMs; without the kernels, dequantized into the float path. Int4 runs W4A8 by
-        default: its integer multiply-adds beat W4A16's float32 FMAs at every row count (1.2x at 64+
-        rows, 2-3x at 1-2 on AVX2), for llama.cpp's Q8_0 rounding of the activations (README)."""
+        default in bf16/fp16: its integer multiply-adds beat W4A16's float32 FMAs at every row count
+        (1.2x at 64+ rows, 2-3x at 1-2 on AVX2), for llama.cpp's Q8_0 rounding of the activations
+        (README); a float32 model runs W4A16 unless w4a8 is asked for."""
         if self.int8 is None:
             self.checkpoint_paths.add(f"dequantized, {self.gemm}")
             return super().prepare_quantized_linear(weight, bias)
         if self.options.int8 not in INT8_PATHS and fits_int4(weight.qweight, weight.group_size):
-            w4a8 = self.options.int8 != "w4a16" and w4a8_supported(weight.group_size, weight.qweight.shape[1])
+            w4a8 = self._int4_rounds_activations() and w4a8_supported(weight.group_size, weight.qweight.shape[1])
             self.checkpoint_paths.add("int4 W4A8" if w4a8 else "int4 W4A16")
             return Int4Gemm(weight, bias, self.int4, w4a8)
         self.checkpoint_paths.add(self._int8_path_name())
         return Int8Gemm(weight, bias, self.int8, self.w8a8_min_rows)  # each path's float32 result, not rounded and widened
+
+    def _int4_rounds_activations(self) -> bool:
+        """W4A8 for int4 weights: when asked for (w4a8), or by default in a low-precision model dtype,
+        where its Q8_0 rounding stays within the bf16 activations' own error (README). A float32 model
+        asked for exact activations: auto runs W4A16 there, the checkpoint's weights exactly."""
+        if self.options.int8 in INT4_PATHS:
+            return self.options.int8 == "w4a8"
+        return self.dtype != torch.float32
 
     def _gemm(self, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None) -> LinearFn:
         if self.gemm == "int8":

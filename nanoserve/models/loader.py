@@ -77,13 +77,16 @@ def bind_quantized_layers(model: nn.Module, quantized: QuantizedCheckpoint) -> s
         except AttributeError:
             continue  # the loader names the tensor that has no parameter
         shards = getattr(getattr(layer, "weight", None), "expected_shards", None)
-        kinds = {(spec.group_size, spec.act_order) for _, _, spec in parts}
+        # the layer runs one grouping and one input order (act-order g_idx) for all its parts
+        kinds = {(spec.group_size, spec.act_order, spec.input_order) for _, _, spec in parts}
         complete = (len(parts) == 1) if shards is None else shards == {shard for _, shard, _ in parts}
         if hasattr(layer, "make_quantized") and complete and len(kinds) == 1:
-            layer.make_quantized(*kinds.pop())
+            group_size, act_order, _ = kinds.pop()
+            layer.make_quantized(group_size, act_order)
             continue
         why = ("not a linear layer" if not hasattr(layer, "make_quantized") else
-               "only some of its parts are quantized" if not complete else "its parts use different groups")
+               "only some of its parts are quantized" if not complete else
+               "its parts use different groups or act-order input orders (g_idx)")
         logger.info("%s loads dequantized to float: %s", layer_name, why)
         as_float.update(module for module, _, _ in parts)
     return as_float

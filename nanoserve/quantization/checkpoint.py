@@ -41,7 +41,7 @@ def checkpoint_format(hf_config: dict, source: str) -> QuantFormat | None:
     if not isinstance(qcfg, dict):
         raise ValueError(f"{source}: quantization_config must be an object, got {type(qcfg).__name__}")
     method = qcfg.get("quant_method")
-    if method not in FORMATS:
+    if not isinstance(method, str) or method not in FORMATS:
         raise ValueError(f"{source}: quantization_config.quant_method={method!r} is not supported "
                          f"(one of {', '.join(FORMATS)})")
     return FORMATS[method](qcfg, source)
@@ -129,7 +129,7 @@ class QuantizedCheckpoint:
             else:
                 yield path, f"{module}.weight", decoded.qweight
                 yield path, f"{module}.weight_scale", decoded.scales
-                if self.specs[module].act_order:  # the layer holds a permutation, the identity if g_idx is in order
+                if self.specs[module].act_order:  # the layer holds the input permutation (g_idx not in k order)
                     perm = decoded.perm if decoded.perm is not None else torch.arange(decoded.shape[1])
                     yield path, f"{module}.weight_perm", perm
         assert not pending, f"modules left undecoded: {sorted(pending)[:4]}"  # the headers listed every part

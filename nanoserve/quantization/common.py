@@ -7,6 +7,7 @@ read) and `decode` them into a QuantizedWeight (or a float weight, for formats r
 """
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 
@@ -33,8 +34,10 @@ class ModuleSpec:
     out_features: int
     in_features: int
     group_size: int  # in_features when per channel
-    act_order: bool  # the format may reorder input columns (GPTQ desc_act, compressed-tensors g_idx)
-    decodes_to_float: bool = False  # run as a float weight (FP8 kept in the model dtype)
+    act_order: bool  # the input columns are reordered (GPTQ desc_act, compressed-tensors g_idx not in k order)
+    decodes_to_float: bool = False  # run as a float weight (FP8; 8-bit integers whose q - z overflow int8)
+    # act-order: a digest of g_idx (None in input order); a fused layer runs one order, so its parts must agree
+    input_order: bytes | None = None
 
 
 def config_error(source: str, field: str, value, allowed: str) -> ValueError:
@@ -83,21 +86,39 @@ def trivial_g_idx(k: int, group: int) -> torch.Tensor:
     return torch.arange(k, dtype=torch.int64) // group
 
 
+def input_order(g_idx: torch.Tensor, k: int, group: int) -> bytes | None:
+    """ModuleSpec.input_order of a module with this g_idx: None in input order, else a digest of it (equal
+    digests, equal orders; kept small, as every module's spec is held until the load ends)."""
+    g_idx = g_idx.long()
+    if torch.equal(g_idx, trivial_g_idx(k, group)):
+        return None
+    return hashlib.blake2b(g_idx.numpy().tobytes(), digest_size=16).digest()
+
+
+def dequantize(values: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor) -> torch.Tensor:
+    """The float32 weight [N, K] of integers values [N, K] (q - z) and scales [N, G], column k in group g_idx[k]:
+    for a module whose q - z does not fit the int8 kernels (ModuleSpec.decodes_to_float)."""
+    return values.float() * scales.float()[:, g_idx.long()]
+
+
 def act_order(q: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor, group: int,
               meta: TensorMeta) -> QuantizedWeight:
     """A weight whose input column k belongs to group g_idx[k] (any order) as a QuantizedWeight:
     columns sorted by group (stable), so each group is contiguous, and perm says where each came from.
-    Every group must have exactly `group` columns (GPTQ's desc_act assigns them so)."""
+    Every group must have as many columns as in input order: `group`, the last one the remainder when
+    group_size does not divide K (GPTQ's desc_act assigns them so: g_idx[perm[i]] = i // group_size)."""
     n, k = q.shape
     g_idx = g_idx.long()
     groups = scales.shape[1]
     if g_idx.min() < 0 or g_idx.max() >= groups:
         raise tensor_error(meta, f"holds group indices outside [0, {groups})")
-    if torch.equal(g_idx, trivial_g_idx(k, group)):
+    in_order = trivial_g_idx(k, group)
+    if torch.equal(g_idx, in_order):
         return QuantizedWeight(q, scales, group)
-    counts = torch.bincount(g_idx, minlength=groups)
-    if k % group or not bool((counts == group).all()):
-        raise tensor_error(meta, f"does not assign exactly group_size={group} input columns to every group")
+    if not torch.equal(torch.bincount(g_idx, minlength=groups), torch.bincount(in_order, minlength=groups)):
+        last = k - (groups - 1) * group
+        raise tensor_error(meta, f"does not assign group_size={group} input columns to every group"
+                           + (f" (the last one: {last})" if last != group else ""))
     perm = torch.argsort(g_idx, stable=True)
     return QuantizedWeight(q[:, perm].contiguous(), scales, group, perm)
 

@@ -4,7 +4,9 @@ Schemes (`config_groups`, each with `targets` and a `format`, or the top-level `
   pack-quantized  weight_packed int32 [N, ceil(K * bits / 32)]: K packed densely, value j at bits
                   bits*j, stored offset-binary (signed q + 2**(bits-1)); weight_shape [N, K];
                   weight_zero_point (asymmetric only) int32 [ceil(N * bits / 32), G] packed along N
-  int-quantized   weight int8 [N, K]; weight_zero_point int8 [N, G] (asymmetric only)
+                  (per tensor: an int8 [1], unpacked)
+  int-quantized   weight int8 [N, K] (4- or 8-bit values; the library's format whenever activations are
+                  quantized too, W4A8 included); weight_zero_point int8 [N, G] (asymmetric only)
 both with weight_scale float [N, G] (G = 1 per channel, ceil(K / group_size) per group; a
 per-tensor scale [1] is the same scale on every channel) and, for `actorder: group`, weight_g_idx
 int32 [K]. w[n, k] = (q[n, k] - zp[n, g(k)]) * scale[n, g(k)]. Activations: none (W4A16, W8A16)
@@ -17,23 +19,29 @@ from __future__ import annotations
 import torch
 
 from nanoserve.quantization.common import (
-    BF16, F16, F32, I8, I32, I64, ModuleSpec, QuantFormat, TensorMeta, act_order, config_error, expect, matches,
-    require, tensor_error, to_int8, unpack_int32,
+    BF16, F16, F32, I8, I32, I64, ModuleSpec, QuantFormat, TensorMeta, act_order, config_error, dequantize, expect,
+    input_order, matches, require, tensor_error, to_int8, unpack_int32,
 )
 from nanoserve.quantization.weight import QuantizedWeight
 
-FORMATS = {"pack-quantized": (4, 8), "int-quantized": (8,), "naive-quantized": (8,)}
+# int-quantized (what the library picks for any int scheme with activations, W4A8 included) stores 4-bit values
+# unpacked, one per int8, like 8-bit ones
+FORMATS = {"pack-quantized": (4, 8), "int-quantized": (4, 8), "naive-quantized": (4, 8)}
 STRATEGIES = ("channel", "group", "tensor")
 ACTORDERS = (None, False, "weight", "static", "group", "dynamic")
 
 
+def _names(value) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
 def _check_scheme(name: str, scheme: dict, default_format, source: str) -> dict:
     where = f"config_groups.{name}"
-    if not isinstance(scheme, dict) or not isinstance(scheme.get("targets"), list):
+    if not isinstance(scheme, dict) or not _names(scheme.get("targets")):
         raise config_error(source, f"{where}.targets", scheme.get("targets") if isinstance(scheme, dict) else scheme,
                            "a list of module names, regexes ('re:...') or 'Linear'")
     fmt = scheme.get("format") or default_format
-    if fmt not in FORMATS:
+    if not isinstance(fmt, str) or fmt not in FORMATS:
         raise config_error(source, f"{where}.format", fmt, f"one of {', '.join(FORMATS)}")
     w = scheme.get("weights")
     if not isinstance(w, dict):
@@ -56,7 +64,7 @@ def _check_scheme(name: str, scheme: dict, default_format, source: str) -> dict:
     if w.get("block_structure") is not None:
         raise config_error(source, f"{where}.weights.block_structure", w["block_structure"], "null")
     act = scheme.get("input_activations")
-    if act is not None and not (act.get("type", "int") == "int" and act.get("num_bits") == 8
+    if act is not None and not (isinstance(act, dict) and act.get("type", "int") == "int" and act.get("num_bits") == 8
                                 and act.get("strategy") == "token" and act.get("dynamic") is True
                                 and act.get("symmetric", True) is True):
         raise config_error(source, f"{where}.input_activations", act,
@@ -80,6 +88,8 @@ class CompressedTensors(QuantFormat):
             if qcfg.get(name) is not None:
                 raise config_error(source, name, qcfg[name], "null")
         sparsity = qcfg.get("sparsity_config")
+        if sparsity and not isinstance(sparsity, dict):
+            raise config_error(source, "sparsity_config", sparsity, "null or an object")
         if sparsity and sparsity.get("format", "dense") != "dense":
             raise config_error(source, "sparsity_config.format", sparsity.get("format"), "'dense'")
         groups = qcfg.get("config_groups")
@@ -87,7 +97,7 @@ class CompressedTensors(QuantFormat):
             raise config_error(source, "config_groups", groups, "one or more schemes")
         self.schemes = [_check_scheme(name, s, qcfg.get("format"), source) for name, s in groups.items()]
         self.ignore = qcfg.get("ignore") or []
-        if not isinstance(self.ignore, list):
+        if not _names(self.ignore):
             raise config_error(source, "ignore", self.ignore, "a list of module names or regexes")
 
     def scheme_for(self, module: str) -> dict | None:
@@ -133,15 +143,35 @@ class CompressedTensors(QuantFormat):
         expect(metas["weight_scale"], scale_shape, (F32, F16, BF16), why)
         if not scheme["symmetric"]:
             require(metas, module, ("weight_zero_point",), first.path)
-            zp_shape = (-(-n * bits // 32), groups) if packed else scale_shape
-            expect(metas["weight_zero_point"], zp_shape, (I32,) if packed else (I8, I32), f"asymmetric, {why}")
+            zp = metas["weight_zero_point"]
+            if self._packs_zero_points(scheme):
+                expect(zp, (-(-n * bits // 32), groups), (I32,), f"asymmetric, {why}")
+            else:
+                expect(zp, (1,) * len(zp.shape) if scheme["strategy"] == "tensor" else scale_shape, (I8, I32),
+                       f"asymmetric, {why}")
         elif "weight_zero_point" in metas:
             raise tensor_error(metas["weight_zero_point"], "is present but the scheme is symmetric")
+        order = None
         if "weight_g_idx" in metas:
             expect(metas["weight_g_idx"], (k,), (I32, I64), why)
-        return ModuleSpec(n, k, group, "weight_g_idx" in metas)
+            order = input_order(read("weight_g_idx"), k, group)
+        # 8 bits with zero points: q - zp spans [-255, 255], more than the int8 kernels hold: run in float
+        fits_int8 = bits == 4 or scheme["symmetric"] or not bool(self._zero_points(
+            read("weight_zero_point"), self._packs_zero_points(scheme), bits, n).any())
+        return ModuleSpec(n, k, group, order is not None, decodes_to_float=not fits_int8, input_order=order)
 
-    def decode(self, module, tensors, metas, spec) -> QuantizedWeight:
+    @staticmethod
+    def _packs_zero_points(scheme: dict) -> bool:
+        """pack-quantized packs per-group and per-channel zero points along N; a per-tensor one stays
+        an int8 scalar (compressed-tensors' PACK_ZP_STRATS)."""
+        return scheme["format"] == "pack-quantized" and scheme["strategy"] != "tensor"
+
+    @staticmethod
+    def _zero_points(zp: torch.Tensor, packed: bool, bits: int, n: int) -> torch.Tensor:
+        """[N, G] signed zero points (or [1, G], per tensor)."""
+        return unpack_int32(zp, bits, dim=0)[:n] - (1 << (bits - 1)) if packed else zp.to(torch.int32)
+
+    def decode(self, module, tensors, metas, spec) -> QuantizedWeight | torch.Tensor:
         scheme = self.scheme_for(module)
         n, k, group = spec.out_features, spec.in_features, spec.group_size
         bits = scheme["bits"]
@@ -156,9 +186,10 @@ class CompressedTensors(QuantFormat):
         g_idx = g_idx.long() if g_idx is not None else torch.arange(k) // group
         if "weight_zero_point" in tensors:
             zp = tensors["weight_zero_point"]
-            zp = unpack_int32(zp, bits, dim=0)[:n] - offset if "weight_packed" in tensors else zp.to(torch.int32)
-            zp = zp.expand(n, -1)
+            zp = self._zero_points(zp, self._packs_zero_points(scheme), bits, n).reshape(-1, zp.shape[-1]).expand(n, -1)
             q = q - zp[:, g_idx]
+        if spec.decodes_to_float:
+            return dequantize(q, scales, g_idx)
         first = metas.get("weight_packed") or metas["weight"]
         values = to_int8(q, first).contiguous()
         return act_order(values, scales, g_idx, group, metas.get("weight_g_idx", first))

@@ -4,18 +4,19 @@ Per linear module (K inputs, N outputs, G = ceil(K / group_size) groups, f = 32 
   qweight  int32 [K / f, N]   packed along K: q[k, n] is bits b*(k % f) .. of qweight[k // f, n]
   qzeros   int32 [G, N / f]   packed along N the same way
   scales   float [G, N]
-  g_idx    int32 [K]          the group of each input column (k // group_size unless desc_act)
+  g_idx    int32 [K]          the group of each input column (k // group_size unless desc_act; int64 read too)
 and w[n, k] = (q[k, n] - z[g_idx[k], n]) * scales[g_idx[k], n], where the v1 convention
 (`checkpoint_format` "gptq", AutoGPTQ's pack) stores z - 1 (decoded as stored + 1, unmasked, as
-AutoGPTQ's own dequantization does) and v2 ("gptq_v2", GPTQModel) stores z.
+AutoGPTQ's own dequantization does) and v2 ("gptq_v2", GPTQModel) stores z. At 8 bits with zero points
+other than 128, q - z spans [-255, 255], more than the int8 kernels hold: such a module runs in float.
 """
 from __future__ import annotations
 
 import torch
 
 from nanoserve.quantization.common import (
-    F16, F32, BF16, I32, ModuleSpec, QuantFormat, TensorMeta, act_order, config_error, expect, require,
-    to_int8, trivial_g_idx, unpack_int32,
+    F16, F32, BF16, I32, I64, ModuleSpec, QuantFormat, TensorMeta, act_order, config_error, dequantize, expect,
+    input_order, require, to_int8, trivial_g_idx, unpack_int32,
 )
 from nanoserve.quantization.weight import QuantizedWeight
 
@@ -40,7 +41,7 @@ class GPTQ(QuantFormat):
             raise config_error(source, "bits", self.bits, "4 or 8")
         self.group_size = check_group_size(qcfg.get("group_size", 128), source)
         fmt = qcfg.get("checkpoint_format", qcfg.get("format", "gptq"))
-        if fmt not in CHECKPOINT_FORMATS:
+        if not isinstance(fmt, str) or fmt not in CHECKPOINT_FORMATS:
             raise config_error(source, "checkpoint_format", fmt, f"one of {', '.join(CHECKPOINT_FORMATS)}")
         self.version = CHECKPOINT_FORMATS[fmt]
         self.desc_act = qcfg.get("desc_act", False)
@@ -69,22 +70,34 @@ class GPTQ(QuantFormat):
         expect(metas["scales"], (groups, n), (F16, BF16, F32), why)
         expect(metas["qzeros"], (groups, n // self.per_word), (I32,), why)
         if "g_idx" in metas:
-            expect(metas["g_idx"], (k,), (I32,), why)
-        return ModuleSpec(n, k, min(group, k), self.desc_act)
+            expect(metas["g_idx"], (k,), (I32, I64), why)
+        order = input_order(read("g_idx"), k, min(group, k)) if self.desc_act and "g_idx" in metas else None
+        # desc_act with g_idx in input order (static groups) runs, and shards, as a plain grouped weight
+        return ModuleSpec(n, k, min(group, k), order is not None, decodes_to_float=not self._fits_int8(read),
+                          input_order=order)
 
-    def decode(self, module, tensors, metas, spec) -> QuantizedWeight:
+    def _zeros(self, qzeros: torch.Tensor) -> torch.Tensor:
+        z = unpack_int32(qzeros, self.bits, dim=1)  # [G, N]
+        return z + 1 if self.version == 1 else z
+
+    def _fits_int8(self, read) -> bool:
+        """Whether q - z fits the int8 kernels for every q: always at 4 bits; at 8 bits only with every zero
+        point 128 (symmetric), else the module is run in float."""
+        return self.bits == 4 or bool((self._zeros(read("qzeros")) == 1 << (self.bits - 1)).all())
+
+    def decode(self, module, tensors, metas, spec) -> QuantizedWeight | torch.Tensor:
         q = unpack_int32(tensors["qweight"], self.bits, dim=0)  # [K, N] in [0, 2**bits)
-        z = unpack_int32(tensors["qzeros"], self.bits, dim=1)  # [G, N]
-        if self.version == 1:
-            z = z + 1
+        z = self._zeros(tensors["qzeros"])  # [G, N]
         k, group = spec.in_features, spec.group_size
         g_idx = tensors["g_idx"].long() if "g_idx" in tensors else trivial_g_idx(k, group)
         if g_idx.min() < 0 or g_idx.max() >= z.shape[0]:
             raise ValueError(f"{metas['g_idx'].path}: tensor {metas['g_idx'].name!r} holds group indices "
                              f"outside [0, {z.shape[0]})")
-        values = to_int8((q - z[g_idx]).T, metas["qweight"])  # [N, K]
         scales = tensors["scales"].float().T.contiguous()  # [N, G]
         if not self.desc_act and not torch.equal(g_idx, trivial_g_idx(k, group)):
             raise ValueError(f"{metas['g_idx'].path}: tensor {metas['g_idx'].name!r} is not in input order "
                              f"(k // group_size) but {self.source} declares desc_act=false")
+        if spec.decodes_to_float:
+            return dequantize((q - z[g_idx]).T, scales, g_idx)
+        values = to_int8((q - z[g_idx]).T, metas["qweight"])  # [N, K]
         return act_order(values.contiguous(), scales, g_idx, group, metas.get("g_idx", metas["qweight"]))
