@@ -405,8 +405,9 @@ def test_tensors_that_disagree_with_the_config_are_refused_naming_file_and_tenso
 
 def test_the_quantization_argument_must_agree_with_the_checkpoint(checkpoints, tiny_model):
     path, _, _ = checkpoints["gptq-sym"]
-    assert LLM(path, quantization="gptq", **ENGINE).engine.config.quantization == "gptq"
-    for wrong in ("awq", "int8"):
+    for name in ("gptq", "gptq_marlin"):  # vLLM's kernel name for the format is the format
+        assert LLM(path, quantization=name, **ENGINE).engine.config.quantization == "gptq"
+    for wrong in ("awq", "awq_marlin", "int8"):
         with pytest.raises(ValueError, match=rf"quantization='{wrong}' disagrees with .*config.json.*'gptq'"):
             LLM(path, quantization=wrong, **ENGINE)
     with pytest.raises(ValueError, match=r"quantization='fp8' is not supported \(.*config.json has no quantization_config"):

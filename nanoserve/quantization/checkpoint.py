@@ -29,7 +29,9 @@ logger = logging.getLogger(__name__)
 
 FORMATS: dict[str, type[QuantFormat]] = {f.method: f for f in (GPTQ, AWQ, CompressedTensors, FP8)}
 LOAD_TIME = "int8"  # quantization=LOAD_TIME quantizes a float checkpoint at load (nanoserve/kernels/cpu_int8.py)
-QUANTIZATIONS = (LOAD_TIME, *FORMATS)  # every value Config.quantization takes besides None
+# vLLM's names for its GPU kernels of a format: a user switching over may pass them for that format.
+KERNEL_ALIASES = {"gptq_marlin": "gptq", "gptq_marlin_24": "gptq", "awq_marlin": "awq"}
+QUANTIZATIONS = (LOAD_TIME, *FORMATS, *KERNEL_ALIASES)  # every value Config.quantization takes besides None
 
 
 def checkpoint_format(hf_config: dict, source: str) -> QuantFormat | None:
@@ -49,7 +51,7 @@ def checkpoint_format(hf_config: dict, source: str) -> QuantFormat | None:
 
 def resolve_quantization(requested: str | None, hf_config: dict, source: str) -> str | None:
     """Config.quantization: the checkpoint's own format when it has one (`requested` must then be
-    None or the same name, as in vLLM), else `requested` (None, or "int8" to quantize at load)."""
+    None, the same name or one of vLLM's kernel names for it, as in vLLM), else `requested` (None, or "int8" to quantize at load)."""
     if requested is not None and requested not in QUANTIZATIONS:
         raise ValueError(f"quantization={requested!r} is not supported (None, {', '.join(map(repr, QUANTIZATIONS))}; "
                          "a pre-quantized checkpoint's format is read from its config.json)")
@@ -59,7 +61,7 @@ def resolve_quantization(requested: str | None, hf_config: dict, source: str) ->
             raise ValueError(f"quantization={requested!r} is not supported ({source} has no quantization_config: "
                              "a float checkpoint takes None, or 'int8' to quantize it at load)")
         return requested
-    if requested not in (None, fmt.method):
+    if KERNEL_ALIASES.get(requested, requested) not in (None, fmt.method):
         raise ValueError(f"quantization={requested!r} disagrees with {source}, whose quantization_config.quant_method "
                          f"is {fmt.method!r}: pass quantization={fmt.method!r} or None")
     return fmt.method
