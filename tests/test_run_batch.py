@@ -262,3 +262,29 @@ def test_response_logprobs_are_the_engines(builder, url):
         assert choice["logprobs"]["tokens"] == [builder.llm.tokenizer.decode([t]) for t in sample.token_ids]
         assert choice["text"] == sample.text
         assert all(2 <= len(top) <= 3 for top in choice["logprobs"]["top_logprobs"])
+
+
+def test_a_one_prompt_list_is_that_prompt(builder):
+    """OpenAI clients send `prompt` as a list even for one prompt; vLLM takes it."""
+    def ids(prompt):
+        return builder.build({"method": "POST", "url": "/v1/completions", "body": {"prompt": prompt}}).prompt_token_ids
+
+    assert ids(["hello world"]) == ids("hello world") == builder.llm.tokenizer.encode("hello world")
+    assert ids([[5, 6, 7]]) == ids([5, 6, 7]) == [5, 6, 7]
+
+
+def test_fields_that_would_be_silently_dropped_are_refused(builder):
+    """vLLM's run-batch refuses a request chat template (no --trust-request-chat-template) and
+    honours the others; nanoserve cannot, so each is a 400, never a silent change of output."""
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    for body, match in [({**chat, "chat_template": "{{ messages[0].content }}"}, "Chat template is passed"),
+                        ({**chat, "chat_template_kwargs": {"chat_template": "x"}}, "Chat template is passed"),
+                        ({**chat, "documents": [{"text": "d"}]}, "`documents` is not supported"),
+                        ({**chat, "return_tokens_as_token_ids": True}, "`return_tokens_as_token_ids` is not"),
+                        ({"prompt": "a", "spaces_between_special_tokens": False}, "`spaces_between_special_tokens`")]:
+        url = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        with pytest.raises(ValueError, match=match):
+            builder.build({"method": "POST", "url": url, "body": body})
+    # The values that ask for nothing are taken.
+    builder.build({"method": "POST", "url": "/v1/chat/completions", "body": {
+        **chat, "documents": None, "return_tokens_as_token_ids": False, "spaces_between_special_tokens": True}})

@@ -40,6 +40,9 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "logits_processors": lambda v: not v,
     "truncate_prompt_tokens": lambda v: False,
     "prompt_embeds": lambda v: False,
+    "documents": lambda v: not v,
+    "return_tokens_as_token_ids": lambda v: v is False,
+    "spaces_between_special_tokens": lambda v: v is True,
 }
 
 # SamplingParams fields copied as they are when the body sets them (vLLM's names).
@@ -121,6 +124,11 @@ class RequestBuilder:
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise TypeError(f"`chat_template_kwargs` must be an object, got {type(kwargs).__name__}")
+        if body.get("chat_template") is not None or kwargs.get("chat_template") is not None:
+            # vLLM's run-batch refuses templates from the request (it does not pass
+            # --trust-request-chat-template); the checkpoint's template is the one used.
+            raise ValueError("Chat template is passed with request, but nanoserve run-batch does not take request "
+                             "chat templates: `chat_template` (also inside `chat_template_kwargs`) must be left out")
         continue_final = _flag(body, "continue_final_message", False)
         (text,) = render_conversations(
             self.llm.tokenizer, [body.get("messages")], continue_final_message=continue_final,
@@ -130,6 +138,8 @@ class RequestBuilder:
 
     def _completion_prompt(self, body: dict) -> tuple[str | list[int], bool]:
         prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one prompt (what OpenAI clients often send): that prompt
         if isinstance(prompt, str):
             return prompt, _flag(body, "add_special_tokens", True)
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
