@@ -234,9 +234,11 @@ def test_body_fields_map_to_sampling_params_as_vllm(builder):
                         ({**chat, "stream": True}, "`stream` is not supported"),
                         ({**chat, "logit_bias": {"5": 1}}, "`logit_bias` is not supported"),
                         ({**chat, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "text parts"),
-                        ({"prompt": ["a", "b"]}, "one prompt per line")]:
+                        ({"prompt": ["a", "b"]}, "one prompt per line"),
+                        ({**chat, "logprobs": True, "top_logprobs": ""}, "`top_logprobs` must be an integer"),
+                        ({**chat, "chat_template_kwargs": []}, "`chat_template_kwargs` must be an object")]:
         url = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-        with pytest.raises(ValueError, match=match):
+        with pytest.raises((ValueError, TypeError), match=match):
             builder.build({"method": "POST", "url": url, "body": body})
 
 

@@ -121,7 +121,8 @@ class RequestBuilder:
 
     def _chat_prompt(self, body: dict) -> tuple[str, bool]:
         """(prompt, add_special_tokens): the rendered chat, whose template wrote the special tokens."""
-        kwargs = body.get("chat_template_kwargs") or {}
+        kwargs = body.get("chat_template_kwargs")
+        kwargs = {} if kwargs is None else kwargs
         if not isinstance(kwargs, dict):
             raise TypeError(f"`chat_template_kwargs` must be an object, got {type(kwargs).__name__}")
         if body.get("chat_template") is not None or kwargs.get("chat_template") is not None:
@@ -176,7 +177,8 @@ class RequestBuilder:
     def _logprobs(body: dict, chat: bool) -> int | None:
         if not chat:
             return body.get("logprobs")  # Completions: the number of top logprobs, or null
-        top = body.get("top_logprobs") or 0
+        top = body.get("top_logprobs")
+        top = 0 if top is None else top
         if not isinstance(top, int) or isinstance(top, bool) or top < 0:
             raise ValueError(f"`top_logprobs` must be an integer >= 0, got {top!r}")
         wants = _flag(body, "logprobs", False)
