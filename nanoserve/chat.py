@@ -4,6 +4,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import jinja2
+from jinja2 import nodes
 from jinja2.exceptions import TemplateError
 
 CONTENT_FORMATS = ("auto", "string", "openai")
@@ -23,7 +25,8 @@ def render_conversations(
     """One prompt text per conversation; every check runs before any template is rendered.
 
     As in vLLM, `chat_template_kwargs` are passed to the template last, so they override the
-    named options. `chat_template_content_format="auto"` renders content as a string.
+    named options. `chat_template_content_format="auto"` picks as vLLM does: "openai" (content as
+    a list of text parts) when the template loops over a message's content, else "string".
     """
     conversations = as_conversations(messages)
     if chat_template is not None and not isinstance(chat_template, str):
@@ -50,7 +53,9 @@ def render_conversations(
             "continue_final_message=True continues the last message, add_generation_prompt=True starts a new one: "
             "pass add_generation_prompt=False with continue_final_message=True"
         )
-    fmt = "string" if chat_template_content_format == "auto" else chat_template_content_format
+    fmt = chat_template_content_format
+    if fmt == "auto":
+        fmt = detect_content_format(_template_text(tokenizer, options["chat_template"], options["tools"]))
     normalised = [[_message(m, fmt, c, i) for i, m in enumerate(conv)] for c, conv in enumerate(conversations)]
     try:
         return [tokenizer.apply_chat_template(conv, tokenize=False, **options) for conv in normalised]
@@ -98,3 +103,63 @@ def _text_part(part, c: int, i: int) -> str:
         f"conversation {c}, message {i}: content part of type {kind!r} is not supported; only text parts "
         "({'type': 'text', 'text': ...}) are: nanoserve has no multimodal input"
     )
+
+
+def _template_text(tokenizer, chat_template: str | None, tools) -> str | None:
+    """The template apply_chat_template will render; None when there is none (it then raises)."""
+    try:
+        return tokenizer.get_chat_template(chat_template, tools=tools)
+    except (ValueError, TypeError, AttributeError):
+        return None
+
+
+def detect_content_format(template: str | None) -> str:
+    """vLLM's "auto" content format: "openai" if the template iterates over some message's
+    `content` (`{% for part in message['content'] %}`), as templates that expect a list of parts
+    do; "string" otherwise, or when the template does not parse."""
+    if template is None:
+        return "string"
+    try:
+        ast = _parse(template)
+    except TemplateError:
+        return "string"
+    loops = list(ast.find_all(nodes.For))
+    message_names = {loop.target.name for loop in loops
+                     if isinstance(loop.target, nodes.Name) and _reads(loop.iter, _aliases(ast, "messages"))}
+    return "openai" if any(_reads(loop.iter, message_names, "content") for loop in loops) else "string"
+
+
+def _parse(template: str) -> nodes.Template:
+    try:  # the environment transformers renders with knows its extra tags ({% generation %})
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+        environment = _compile_jinja_template(template).environment
+    except ImportError:
+        environment = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+    return environment.parse(template)
+
+
+def _aliases(ast: nodes.Template, name: str) -> set[str]:
+    """`name` and every variable set from it (`{% set msgs = messages[1:] %}`), transitively."""
+    names, grew = {name}, True
+    while grew:
+        grew = False
+        for assign in ast.find_all(nodes.Assign):
+            if isinstance(assign.target, nodes.Name) and assign.target.name not in names and _reads(assign.node, names):
+                names.add(assign.target.name)
+                grew = True
+    return names
+
+
+def _reads(node: nodes.Node, names: set[str], key: str | None = None) -> bool:
+    """Whether `node` is one of `names` (or its `key` item), possibly sliced, filtered or tested."""
+    if isinstance(node, (nodes.Filter, nodes.Test)) and node.node is not None:
+        return _reads(node.node, names, key)
+    if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice):
+        return _reads(node.node, names, key)
+    if key is None:
+        return isinstance(node, nodes.Name) and node.ctx == "load" and node.name in names
+    if isinstance(node, nodes.Getitem):
+        return isinstance(node.arg, nodes.Const) and node.arg.value == key and _reads(node.node, names)
+    if isinstance(node, nodes.Getattr):
+        return node.attr == key and _reads(node.node, names)
+    return False

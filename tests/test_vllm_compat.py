@@ -157,6 +157,25 @@ def test_chat_openai_text_parts(llm):
         llm.chat(image, greedy(), use_tqdm=False)
 
 
+def test_chat_auto_content_format_follows_the_template_as_vllm(llm):
+    """A template that loops over a message's content gets a list of text parts ("openai"), as
+    vLLM's "auto" detects; one that prints it gets the string; an explicit format wins."""
+    loops = ("{% set turns = messages %}{% for m in turns %}{% for part in m['content'] %}<{{ part.text }}>"
+             "{% endfor %}{% endfor %}")
+    prints = "{% for m in messages %}<{{ m.content }}>{% endfor %}"
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    plain = [{"role": "user", "content": "a"}]
+
+    def prompt(messages, template, fmt="auto"):
+        return llm.chat(messages, greedy(), use_tqdm=False, chat_template=template,
+                        chat_template_content_format=fmt)[0].prompt
+
+    assert prompt(parts, loops) == "<a><b>" and prompt(plain, loops) == "<a>"
+    assert prompt(parts, prints) == "<a\nb>"
+    assert prompt(parts, loops, "string") == "<><><>"  # looping over the string "a\nb"
+    assert prompt(plain, prints, "openai") == "<[{'type': 'text', 'text': 'a'}]>"
+
+
 def test_tokens_and_text_prompts(llm):
     tok = llm.get_tokenizer()
     ids = tok.encode(PROMPTS[0])
