@@ -234,7 +234,7 @@ def test_body_fields_map_to_sampling_params_as_vllm(builder):
                         ({**chat, "stream": True}, "`stream` is not supported"),
                         ({**chat, "logit_bias": {"5": 1}}, "`logit_bias` is not supported"),
                         ({**chat, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "text parts"),
-                        ({"prompt": ["a", "b"]}, "one prompt per line"),
+                        ({"prompt": ["a", 5]}, r"`prompt\[1\]` must be a string"),
                         ({**chat, "logprobs": True, "top_logprobs": ""}, "`top_logprobs` must be an integer"),
                         ({**chat, "chat_template_kwargs": []}, "`chat_template_kwargs` must be an object")]:
         url = "/v1/chat/completions" if "messages" in body else "/v1/completions"
@@ -273,6 +273,33 @@ def test_a_one_prompt_list_is_that_prompt(builder):
 
     assert ids(["hello world"]) == ids("hello world") == builder.llm.tokenizer.encode("hello world")
     assert ids([[5, 6, 7]]) == ids([5, 6, 7]) == [5, 6, 7]
+
+
+def test_several_prompts_on_one_line_answer_in_one_record_as_vllm(tiny_model, tmp_path):
+    """vLLM's completions take a list of prompts: choice i * n + j is prompt i's sample j, usage
+    sums over the prompts; echo prefixes each prompt. Texts are those of llm.generate."""
+    prompts = ["once upon a time", [5, 17, 42, 99], "the end"]
+    common = {"temperature": 0, "max_tokens": 5, "ignore_eos": True}
+    lines = [{"custom_id": "multi", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": prompts, "n": 2, "echo": True, **common}},
+             {"custom_id": "bad", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": ["ok", list(range(5, 200))], **common}}]
+    path, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    args = ["run-batch", "-i", str(path), "-o", str(output), "--model", tiny_model, "--no-progress-bar", *ENGINE_FLAGS]
+    assert main(args + ["--max-inflight=2"]) == 1
+    records = read_records(output)
+    assert records["bad"]["error"]["code"] == 400
+    assert records["bad"]["error"]["message"].startswith("`prompt[1]`: This model's maximum context length is 128")
+    body = records["multi"]["response"]["body"]
+    llm = make_llm(tiny_model, **ENGINE)
+    expected = llm.generate(prompts, SamplingParams(n=2, **common), use_tqdm=False)
+    tok = llm.get_tokenizer()
+    assert [c["index"] for c in body["choices"]] == list(range(6))
+    assert [c["text"] for c in body["choices"]] == [
+        (p if isinstance(p, str) else tok.decode(p)) + c.text for p, out in zip(prompts, expected) for c in out.outputs]
+    assert body["usage"]["prompt_tokens"] == sum(len(out.prompt_token_ids) for out in expected)
+    assert body["usage"]["completion_tokens"] == 6 * 5
 
 
 def test_fields_that_would_be_silently_dropped_are_refused(builder):

@@ -39,12 +39,12 @@ class EmbeddingLine:
 
 
 class LineParts:
-    """Gathers the results of multi-input lines until each is complete (what is in flight only)."""
+    """Gathers the results of multi-request lines until each is complete (what is in flight only)."""
 
     def __init__(self) -> None:
-        self._parts: dict[int, list[PoolingRequestOutput | None]] = {}
+        self._parts: dict[int, list[Any]] = {}
 
-    def add(self, line: int, part: int, num_parts: int, out: PoolingRequestOutput) -> list[PoolingRequestOutput] | None:
+    def add(self, line: int, part: int, num_parts: int, out: Any) -> list[Any] | None:
         """The line's results in input order once all have arrived, else None."""
         got = self._parts.setdefault(line, [None] * num_parts)
         got[part] = out

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -54,6 +55,14 @@ _PLAIN_FIELDS = (
 _DEFAULTED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
+@dataclass
+class CompletionLine:
+    """A completions line whose `prompt` lists several prompts: one engine request each, answered
+    in one record (vLLM's choices for prompt i are i * n ... i * n + n - 1)."""
+
+    requests: list[EngineRequest]
+
+
 class BatchLineError(ValueError):
     """A line that is not a usable batch request at all (bad JSON, no custom_id, ...)."""
 
@@ -87,9 +96,10 @@ class RequestBuilder:
         self.max_model_len = llm.config.max_model_len
         self.defaults = llm.engine.default_sampling_params()
 
-    def build(self, record: dict) -> EngineRequest | EmbeddingLine:
+    def build(self, record: dict) -> EngineRequest | EmbeddingLine | CompletionLine:
         """Raises ValueError / TypeError (HTTP 400) or ModelNotFoundError (404) naming the field.
-        An embeddings line gives one request per input (nanoserve/entrypoints/openai_embeddings.py)."""
+        An embeddings line gives one request per input (nanoserve/entrypoints/openai_embeddings.py),
+        a completions line one per prompt."""
         method, url, body = record.get("method"), record.get("url"), record.get("body")
         if method != "POST":
             raise ValueError(f"method must be 'POST', got {method!r}")
@@ -111,9 +121,19 @@ class RequestBuilder:
         chat = url == CHAT_URL
         if chat and body.get("echo") not in (None, False):
             raise ValueError(f"`echo` is not supported by nanoserve run-batch for {CHAT_URL} (got {body['echo']!r})")
-        prompt, add_special_tokens = self._chat_prompt(body) if chat else self._completion_prompt(body)
-        tokenization_kwargs = {"add_special_tokens": add_special_tokens}
-        _, token_ids = self.processor.tokenize(prompt, tokenization_kwargs=tokenization_kwargs)
+        prompts = [self._chat_prompt(body)] if chat else self._completion_prompts(body)
+        requests = []
+        for i, (prompt, add_special_tokens) in enumerate(prompts):  # every prompt is checked before any runs
+            try:
+                requests.append(self._request(body, chat, prompt, add_special_tokens))
+            except (ValueError, TypeError) as e:
+                if len(prompts) == 1:
+                    raise
+                raise type(e)(f"`prompt[{i}]`: {e}") from None
+        return requests[0] if len(requests) == 1 else CompletionLine(requests)
+
+    def _request(self, body: dict, chat: bool, prompt: str | list[int], add_special_tokens: bool) -> EngineRequest:
+        _, token_ids = self.processor.tokenize(prompt, tokenization_kwargs={"add_special_tokens": add_special_tokens})
         params = self._sampling_params(body, chat, len(token_ids))
         return self.processor.prepare({"prompt_token_ids": token_ids}, params)
 
@@ -137,17 +157,20 @@ class RequestBuilder:
         )
         return text, _flag(body, "add_special_tokens", False)
 
-    def _completion_prompt(self, body: dict) -> tuple[str | list[int], bool]:
+    def _completion_prompts(self, body: dict) -> list[tuple[str | list[int], bool]]:
+        """(prompt, add_special_tokens) of each prompt: `prompt` is a string, token ids, or a list of these."""
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one prompt (what OpenAI clients often send): that prompt
-        if isinstance(prompt, str):
-            return prompt, _flag(body, "add_special_tokens", True)
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return list(prompt), True
-        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-            raise ValueError("`prompt` holds several prompts; run-batch takes one prompt per line")
-        raise ValueError(f"`prompt` must be a non-empty string or a list of token ids, got {prompt!r:.80}")
+        if isinstance(prompt, str) or _is_token_ids(prompt):
+            prompt = [prompt]
+        if not isinstance(prompt, list) or not prompt:
+            raise ValueError(f"`prompt` must be a non-empty string, token ids or a list of these, got {prompt!r:.80}")
+        add_special = _flag(body, "add_special_tokens", True)
+        out = []
+        for i, item in enumerate(prompt):
+            if not (isinstance(item, str) or _is_token_ids(item)):
+                raise ValueError(f"`prompt[{i}]` must be a string or a non-empty list of token ids, got {item!r:.80}")
+            out.append((item, add_special if isinstance(item, str) else True))
+        return out
 
     # ---- sampling --------------------------------------------------------------------------
 
@@ -207,6 +230,11 @@ class RequestBuilder:
                 f"completion). Please reduce the length of the input or `{name}`."
             )
         return requested
+
+
+def _is_token_ids(value: Any) -> bool:
+    return (isinstance(value, list) and bool(value)
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
 
 
 def _flag(body: dict, name: str, default: bool) -> bool:

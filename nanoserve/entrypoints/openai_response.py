@@ -25,8 +25,15 @@ def _uid() -> str:
     return uuid.uuid4().hex
 
 
-def result_record(custom_id: str, url: str, out: RequestOutput, model: str, tokenizer, echo: bool = False) -> dict:
-    body = _chat_body(out, model, tokenizer) if url == CHAT_URL else _completion_body(out, model, tokenizer, echo)
+def result_record(custom_id: str, url: str, out: RequestOutput | list[RequestOutput], model: str, tokenizer,
+                  echo: bool = False) -> dict:
+    """A 200 record; `out` is a list for a completions line with several prompts (chat takes one)."""
+    outs = out if isinstance(out, list) else [out]
+    if url == CHAT_URL:
+        (out,) = outs
+        body = _chat_body(out, model, tokenizer)
+    else:
+        body = _completion_body(outs, model, tokenizer, echo)
     return {
         "id": f"nanoserve-{_uid()}",
         "custom_id": custom_id,
@@ -62,9 +69,9 @@ def error_record(custom_id: str | None, line: int, error: RequestError) -> dict:
     }
 
 
-def _usage(out: RequestOutput) -> dict:
-    prompt_tokens = len(out.prompt_token_ids)
-    completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+def _usage(*outs: RequestOutput) -> dict:
+    prompt_tokens = sum(len(out.prompt_token_ids) for out in outs)
+    completion_tokens = sum(len(c.token_ids) for out in outs for c in out.outputs)
     return {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
@@ -94,22 +101,25 @@ def _chat_body(out: RequestOutput, model: str, tokenizer) -> dict:
     }
 
 
-def _completion_body(out: RequestOutput, model: str, tokenizer, echo: bool = False) -> dict:
-    prompt_text = (out.prompt if out.prompt is not None else tokenizer.decode(out.prompt_token_ids)) if echo else ""
-    choices = [
-        {
-            "index": c.index,
-            "text": prompt_text + c.text,
-            "logprobs": _echo_logprobs(out, c, tokenizer) if echo else _completion_logprobs(c, tokenizer),
-            "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason,
-            "prompt_logprobs": _prompt_logprobs(out),
-        }
-        for c in out.outputs
-    ]
+def _completion_body(outs: list[RequestOutput], model: str, tokenizer, echo: bool = False) -> dict:
+    """vLLM's CompletionResponse: prompt i's n choices have indices i * n ... i * n + n - 1."""
+    choices = []
+    for i, out in enumerate(outs):
+        prompt_text = (out.prompt if out.prompt is not None else tokenizer.decode(out.prompt_token_ids)) if echo else ""
+        choices += [
+            {
+                "index": i * len(out.outputs) + c.index,
+                "text": prompt_text + c.text,
+                "logprobs": _echo_logprobs(out, c, tokenizer) if echo else _completion_logprobs(c, tokenizer),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+                "prompt_logprobs": _prompt_logprobs(out),
+            }
+            for c in out.outputs
+        ]
     return {
         "id": f"cmpl-{_uid()}", "object": "text_completion", "created": int(time.time()), "model": model,
-        "choices": choices, "service_tier": None, "system_fingerprint": None, "usage": _usage(out),
+        "choices": choices, "service_tier": None, "system_fingerprint": None, "usage": _usage(*outs),
         "kv_transfer_params": None,
     }
 

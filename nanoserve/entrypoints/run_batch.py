@@ -19,7 +19,9 @@ from tqdm.auto import tqdm
 
 from nanoserve.entrypoints.batch_output import FinishedWork, OutputWriter, scan_output
 from nanoserve.entrypoints.openai_embeddings import EmbeddingLine, LineParts
-from nanoserve.entrypoints.openai_request import BatchLineError, ModelNotFoundError, RequestBuilder, parse_line
+from nanoserve.entrypoints.openai_request import (
+    BatchLineError, CompletionLine, ModelNotFoundError, RequestBuilder, parse_line,
+)
 from nanoserve.entrypoints.openai_response import embeddings_record, error_record, result_record
 from nanoserve.llm import LLM
 from nanoserve.engine.input_processor import EngineRequest, RequestError
@@ -35,7 +37,8 @@ class LineKey(NamedTuple):
     custom_id: str | None  # None: the line is answered by its number (no custom_id of its own)
     url: str | None
     echo: bool = False  # completions: the prompt comes back before the completion (text and logprobs)
-    # An embeddings line with several inputs runs as several requests, answered in one record.
+    # An embeddings line with several inputs (a completions line with several prompts) runs as
+    # several requests, answered in one record.
     part: int = 0
     num_parts: int = 1
     encoding_format: str | None = None
@@ -120,13 +123,15 @@ def _run(llm, input_file, output_file, model, done, total, max_inflight, progres
                 if isinstance(result, RequestError):
                     writer.write(error_record(key.custom_id, key.line, result))
                     num_failed += 1
-                elif key.encoding_format is not None:  # an embeddings line: written once all its inputs are
+                else:  # a line of several requests is written once all of them are done
                     outs = parts.add(key.line, key.part, key.num_parts, result)
                     if outs is None:
                         continue
-                    writer.write(embeddings_record(key.custom_id, outs, model, key.encoding_format))
-                else:
-                    writer.write(result_record(key.custom_id, key.url, result, model, llm.tokenizer, key.echo))
+                    writer.write(
+                        embeddings_record(key.custom_id, outs, model, key.encoding_format)
+                        if key.encoding_format is not None
+                        else result_record(key.custom_id, key.url, outs, model, llm.tokenizer, key.echo)
+                    )
                 bar.update(1)
                 bar.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):.0f} gen tok/s", refresh=False)
         except KeyboardInterrupt:
@@ -168,10 +173,11 @@ def _requests(
         body = record.get("body")
         echo = isinstance(body, dict) and body.get("echo") is True
         key = LineKey(line, custom_id, record.get("url"), echo)
-        if isinstance(request, EmbeddingLine):
+        if isinstance(request, (EmbeddingLine, CompletionLine)):
             n = len(request.requests)
+            fmt = request.encoding_format if isinstance(request, EmbeddingLine) else None
             for i, part in enumerate(request.requests):
-                yield key._replace(part=i, num_parts=n, encoding_format=request.encoding_format), part
+                yield key._replace(part=i, num_parts=n, encoding_format=fmt), part
         else:
             yield key, request
 
