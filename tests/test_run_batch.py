@@ -275,15 +275,20 @@ def test_a_one_prompt_list_is_that_prompt(builder):
     assert ids([[5, 6, 7]]) == ids([5, 6, 7]) == [5, 6, 7]
 
 
-def test_several_prompts_on_one_line_answer_in_one_record_as_vllm(tiny_model, tmp_path):
+def test_several_prompts_and_echo_only_answer_as_vllm(tiny_model, tmp_path):
     """vLLM's completions take a list of prompts: choice i * n + j is prompt i's sample j, usage
-    sums over the prompts; echo prefixes each prompt. Texts are those of llm.generate."""
+    sums over the prompts; echo prefixes each prompt. Texts are those of llm.generate. Echo with
+    max_tokens 0 returns the prompt and its logprobs only."""
     prompts = ["once upon a time", [5, 17, 42, 99], "the end"]
     common = {"temperature": 0, "max_tokens": 5, "ignore_eos": True}
     lines = [{"custom_id": "multi", "method": "POST", "url": "/v1/completions",
               "body": {"prompt": prompts, "n": 2, "echo": True, **common}},
              {"custom_id": "bad", "method": "POST", "url": "/v1/completions",
               "body": {"prompt": ["ok", list(range(5, 200))], **common}}]
+    # vLLM's echo with max_tokens 0 (scoring): the prompt and its logprobs alone
+    lines += [{"custom_id": f"echo{k}", "method": "POST", "url": "/v1/completions",
+               "body": {"prompt": "once upon a time", "echo": True, "logprobs": 1, "max_tokens": k, "temperature": 0}}
+              for k in (0, 1)]
     path, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     args = ["run-batch", "-i", str(path), "-o", str(output), "--model", tiny_model, "--no-progress-bar", *ENGINE_FLAGS]
@@ -300,6 +305,11 @@ def test_several_prompts_on_one_line_answer_in_one_record_as_vllm(tiny_model, tm
         (p if isinstance(p, str) else tok.decode(p)) + c.text for p, out in zip(prompts, expected) for c in out.outputs]
     assert body["usage"]["prompt_tokens"] == sum(len(out.prompt_token_ids) for out in expected)
     assert body["usage"]["completion_tokens"] == 6 * 5
+    (scored,), (one,) = (records[f"echo{k}"]["response"]["body"]["choices"] for k in (0, 1))
+    num_prompt = len(tok.encode("once upon a time"))
+    assert scored["text"] == "once upon a time" and one["text"].startswith("once upon a time")
+    assert scored["logprobs"] == {k: v[:num_prompt] for k, v in one["logprobs"].items()}
+    assert len(scored["logprobs"]["tokens"]) == num_prompt and scored["logprobs"]["token_logprobs"][0] is None
 
 
 def test_fields_that_would_be_silently_dropped_are_refused(builder):

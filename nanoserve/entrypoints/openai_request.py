@@ -213,6 +213,8 @@ class RequestBuilder:
         """The request's cap, or the rest of the context; a request past the context is an error."""
         name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
         requested = body.get(name, None if chat else 16)  # vLLM's defaults: chat none, completions 16
+        if type(requested) is int and requested == 0 and not chat and _flag(body, "echo", False):
+            requested = 1  # vLLM: echo with max_tokens 0 returns the prompt alone; one token is sampled, not shown
         if requested is not None and (not isinstance(requested, int) or isinstance(requested, bool) or requested < 1):
             raise ValueError(f"`{name}` must be an integer >= 1, got {requested!r}")
         limit = self.max_model_len

@@ -26,14 +26,15 @@ def _uid() -> str:
 
 
 def result_record(custom_id: str, url: str, out: RequestOutput | list[RequestOutput], model: str, tokenizer,
-                  echo: bool = False) -> dict:
-    """A 200 record; `out` is a list for a completions line with several prompts (chat takes one)."""
+                  echo: bool = False, prompt_only: bool = False) -> dict:
+    """A 200 record; `out` is a list for a completions line with several prompts (chat takes one).
+    `prompt_only` (completions `echo` with `max_tokens` 0): each choice is the prompt, as vLLM's."""
     outs = out if isinstance(out, list) else [out]
     if url == CHAT_URL:
         (out,) = outs
         body = _chat_body(out, model, tokenizer)
     else:
-        body = _completion_body(outs, model, tokenizer, echo)
+        body = _completion_body(outs, model, tokenizer, echo, prompt_only)
     return {
         "id": f"nanoserve-{_uid()}",
         "custom_id": custom_id,
@@ -101,7 +102,8 @@ def _chat_body(out: RequestOutput, model: str, tokenizer) -> dict:
     }
 
 
-def _completion_body(outs: list[RequestOutput], model: str, tokenizer, echo: bool = False) -> dict:
+def _completion_body(outs: list[RequestOutput], model: str, tokenizer, echo: bool = False,
+                     prompt_only: bool = False) -> dict:
     """vLLM's CompletionResponse: prompt i's n choices have indices i * n ... i * n + n - 1."""
     choices = []
     for i, out in enumerate(outs):
@@ -109,8 +111,9 @@ def _completion_body(outs: list[RequestOutput], model: str, tokenizer, echo: boo
         choices += [
             {
                 "index": i * len(out.outputs) + c.index,
-                "text": prompt_text + c.text,
-                "logprobs": _echo_logprobs(out, c, tokenizer) if echo else _completion_logprobs(c, tokenizer),
+                "text": prompt_text + ("" if prompt_only else c.text),
+                "logprobs": (_echo_logprobs(out, c, tokenizer, not prompt_only) if echo
+                             else _completion_logprobs(c, tokenizer)),
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
                 "prompt_logprobs": _prompt_logprobs(out),
@@ -179,7 +182,7 @@ def _prompt_logprobs(out: RequestOutput) -> list[dict | None] | None:
     ]
 
 
-def _echo_logprobs(out: RequestOutput, c: CompletionOutput, tokenizer) -> dict | None:
+def _echo_logprobs(out: RequestOutput, c: CompletionOutput, tokenizer, with_completion: bool = True) -> dict | None:
     """OpenAI completions `echo` + `logprobs`: the prompt's tokens first (token_logprobs and
     top_logprobs null for the first), then the completion's, text_offset running over both."""
     completion = _completion_logprobs(c, tokenizer)
@@ -200,6 +203,8 @@ def _echo_logprobs(out: RequestOutput, c: CompletionOutput, tokenizer) -> dict |
             top.update({_token_text(tokenizer, t): max(lp.logprob, _MIN_LOGPROB) for t, lp in _top(step)})
             result["top_logprobs"].append(top)
         offset += len(text)
+    if not with_completion:
+        return result
     result["text_offset"].extend(offset + o for o in completion["text_offset"])
     for key in ("token_logprobs", "tokens", "top_logprobs"):
         result[key].extend(completion[key])

@@ -37,6 +37,7 @@ class LineKey(NamedTuple):
     custom_id: str | None  # None: the line is answered by its number (no custom_id of its own)
     url: str | None
     echo: bool = False  # completions: the prompt comes back before the completion (text and logprobs)
+    prompt_only: bool = False  # completions echo with max_tokens 0: the prompt comes back alone
     # An embeddings line with several inputs (a completions line with several prompts) runs as
     # several requests, answered in one record.
     part: int = 0
@@ -130,7 +131,8 @@ def _run(llm, input_file, output_file, model, done, total, max_inflight, progres
                     writer.write(
                         embeddings_record(key.custom_id, outs, model, key.encoding_format)
                         if key.encoding_format is not None
-                        else result_record(key.custom_id, key.url, outs, model, llm.tokenizer, key.echo)
+                        else result_record(key.custom_id, key.url, outs, model, llm.tokenizer, key.echo,
+                                           key.prompt_only)
                     )
                 bar.update(1)
                 bar.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):.0f} gen tok/s", refresh=False)
@@ -172,7 +174,8 @@ def _requests(
             request = RequestError(str(e), type(e))
         body = record.get("body")
         echo = isinstance(body, dict) and body.get("echo") is True
-        key = LineKey(line, custom_id, record.get("url"), echo)
+        prompt_only = echo and type(body.get("max_tokens")) is int and body["max_tokens"] == 0
+        key = LineKey(line, custom_id, record.get("url"), echo, prompt_only)
         if isinstance(request, (EmbeddingLine, CompletionLine)):
             n = len(request.requests)
             fmt = request.encoding_format if isinstance(request, EmbeddingLine) else None
