@@ -162,6 +162,17 @@ def test_existing_output_without_resume_is_refused_untouched(batch, reference, t
     assert output.read_bytes() == before
 
 
+def test_unwritable_output_path_is_a_usage_error_before_the_model_loads(batch, tmp_path, monkeypatch):
+    import nanoserve.entrypoints.run_batch as run_batch_module
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(run_batch_module, "LLM", no_model)
+    assert run_in_process(batch, tmp_path / "missing-dir" / "out.jsonl") == 2
+    assert run_in_process(batch, tmp_path) == 2  # a directory
+
+
 def test_sigkill_then_resume_equals_uninterrupted_run(batch, reference, tmp_path):
     output = tmp_path / "out.jsonl"
     proc = start_subprocess(batch, output)

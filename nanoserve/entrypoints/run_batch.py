@@ -79,6 +79,10 @@ def run_batch(
     """Run the batch; returns the exit status (0 all succeeded, 1 some lines failed, 2 usage, 128+N signal N)."""
     if not os.path.isfile(input_file):
         return _usage_error(f"input file {input_file!r} does not exist")
+    out_dir = os.path.dirname(os.path.abspath(output_file))
+    if os.path.isdir(output_file) or not os.path.isdir(out_dir):
+        # checked before the model loads: a large one takes minutes, then the first write would fail
+        return _usage_error(f"output file {output_file!r} is a directory or its directory does not exist")
     if max_inflight is not None and max_inflight < 1:
         return _usage_error(f"--max-inflight must be >= 1, got {max_inflight}")
     done = FinishedWork()
