@@ -338,3 +338,27 @@ def test_fields_that_would_be_silently_dropped_are_refused(builder):
     # The values that ask for nothing are taken.
     builder.build({"method": "POST", "url": "/v1/chat/completions", "body": {
         **chat, "documents": None, "return_tokens_as_token_ids": False, "spaces_between_special_tokens": True}})
+
+
+def test_generation_config_max_new_tokens_caps_outputs_as_vllm(tiny_model, tmp_path):
+    """vLLM maps generation_config.json's max_new_tokens to max_tokens: the offline default, and
+    in the server a cap on every request (an omitted one, and one asking for more)."""
+    import shutil
+
+    from nanoserve.entrypoints.openai_request import RequestBuilder
+
+    path = tmp_path / "m"
+    shutil.copytree(tiny_model, path)
+    gen = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**gen, "max_new_tokens": 3}))
+    builder = RequestBuilder(make_llm(str(path), **ENGINE), str(path))
+    assert builder.llm.get_default_sampling_params().max_tokens == 3
+
+    def max_tokens(url, body):
+        return builder.build({"method": "POST", "url": url, "body": body}).params.max_tokens
+
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert max_tokens("/v1/chat/completions", chat) == 3
+    assert max_tokens("/v1/chat/completions", {**chat, "max_tokens": 10}) == 3
+    assert max_tokens("/v1/completions", {"prompt": "hi"}) == 3
+    assert max_tokens("/v1/completions", {"prompt": "hi", "max_tokens": 2}) == 2

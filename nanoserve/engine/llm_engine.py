@@ -110,7 +110,10 @@ class LLMEngine:
     def default_sampling_params(self) -> SamplingParams:
         """vLLM's behaviour: the checkpoint's generation_config.json sets the sampling defaults."""
         keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-        return SamplingParams(**{k: self.generation_config[k] for k in keys if k in self.generation_config})
+        kwargs = {k: self.generation_config[k] for k in keys if k in self.generation_config}
+        if self.generation_config.get("max_new_tokens") is not None:  # HF's name for max_tokens, mapped as vLLM does
+            kwargs["max_tokens"] = self.generation_config["max_new_tokens"]
+        return SamplingParams(**kwargs)
 
     def add_request(self, request: EngineRequest | PromptType, params: SamplingParams | None = None) -> str:
         """Queue a request prepared by `input_processor` (a raw prompt and params are prepared now)."""

@@ -95,6 +95,8 @@ class RequestBuilder:
         self.model_names = {model, os.path.basename(os.path.normpath(model))}
         self.max_model_len = llm.config.max_model_len
         self.defaults = llm.engine.default_sampling_params()
+        # vLLM's server: generation_config.json's max_new_tokens caps every request's output
+        self.max_new_tokens = llm.engine.generation_config.get("max_new_tokens")
 
     def build(self, record: dict) -> EngineRequest | EmbeddingLine | CompletionLine:
         """Raises ValueError / TypeError (HTTP 400) or ModelNotFoundError (404) naming the field.
@@ -210,7 +212,12 @@ class RequestBuilder:
         return top if wants else None
 
     def _max_tokens(self, body: dict, chat: bool, num_prompt_tokens: int) -> int:
-        """The request's cap, or the rest of the context; a request past the context is an error."""
+        """The request's cap, or the rest of the context, at most the checkpoint's max_new_tokens;
+        a request past the context is an error."""
+        cap = self._requested_max_tokens(body, chat, num_prompt_tokens)
+        return cap if self.max_new_tokens is None else min(cap, self.max_new_tokens)
+
+    def _requested_max_tokens(self, body: dict, chat: bool, num_prompt_tokens: int) -> int:
         name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
         requested = body.get(name, None if chat else 16)  # vLLM's defaults: chat none, completions 16
         if type(requested) is int and requested == 0 and not chat and _flag(body, "echo", False):
