@@ -331,6 +331,7 @@ def test_fields_that_would_be_silently_dropped_are_refused(builder):
                         ({**chat, "chat_template_kwargs": {"chat_template": "x"}}, "Chat template is passed"),
                         ({**chat, "documents": [{"text": "d"}]}, "`documents` is not supported"),
                         ({**chat, "return_tokens_as_token_ids": True}, "`return_tokens_as_token_ids` is not"),
+                        ({"prompt": "a", "return_token_ids": True}, "`return_token_ids` is not"),
                         ({"prompt": "a", "spaces_between_special_tokens": False}, "`spaces_between_special_tokens`")]:
         url = "/v1/chat/completions" if "messages" in body else "/v1/completions"
         with pytest.raises(ValueError, match=match):

@@ -43,6 +43,7 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "prompt_embeds": lambda v: False,
     "documents": lambda v: not v,
     "return_tokens_as_token_ids": lambda v: v is False,
+    "return_token_ids": lambda v: v is False,
     "spaces_between_special_tokens": lambda v: v is True,
 }
 
