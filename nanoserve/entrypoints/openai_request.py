@@ -132,7 +132,7 @@ class RequestBuilder:
             except (ValueError, TypeError) as e:
                 if len(prompts) == 1:
                     raise
-                raise type(e)(f"`prompt[{i}]`: {e}") from None
+                raise (TypeError if isinstance(e, TypeError) else ValueError)(f"`prompt[{i}]`: {e}") from None
         return requests[0] if len(requests) == 1 else CompletionLine(requests)
 
     def _request(self, body: dict, chat: bool, prompt: str | list[int], add_special_tokens: bool) -> EngineRequest:
