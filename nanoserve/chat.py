@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import Any
 
 import jinja2
@@ -113,6 +114,7 @@ def _template_text(tokenizer, chat_template: str | None, tools) -> str | None:
         return None
 
 
+@lru_cache(maxsize=32)  # parsing a template costs milliseconds; run-batch renders one per line
 def detect_content_format(template: str | None) -> str:
     """vLLM's "auto" content format: "openai" if the template iterates over some message's
     `content` (`{% for part in message['content'] %}`), as templates that expect a list of parts
