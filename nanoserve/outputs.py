@@ -26,7 +26,7 @@ def short_text(text: str | None) -> str:
 @dataclass
 class Logprob:
     logprob: float
-    rank: int | None = None  # 1 = most likely; None when outside the requested top-k
+    rank: int | None = None  # 1 = most likely; a sampled / prompt token outside the top k has its vocab rank
     decoded_token: str | None = None
 
 

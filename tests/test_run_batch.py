@@ -240,16 +240,17 @@ def test_body_fields_map_to_sampling_params_as_vllm(builder):
             builder.build({"method": "POST", "url": url, "body": body})
 
 
+@pytest.mark.parametrize("temperature", [0, 2.0])
 @pytest.mark.parametrize("url", ["/v1/chat/completions", "/v1/completions"])
-def test_response_logprobs_are_the_engines(builder, url):
+def test_response_logprobs_are_the_engines(builder, url, temperature):
     from nanoserve.entrypoints.openai_response import result_record
     from nanoserve.engine.request_stream import stream_requests
 
-    body = {"temperature": 0, "max_tokens": 4, "ignore_eos": True}
+    body = {"temperature": temperature, "seed": 4, "max_tokens": 4, "ignore_eos": True}
     body.update({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2}
                 if "chat" in url else {"prompt": "hello", "logprobs": 2})
     [(_, out)] = stream_requests(builder.llm.engine, [(0, builder.build({"method": "POST", "url": url, "body": body}))], 1)
-    choice = result_record("c", url, out, "m", builder.llm.tokenizer)["response"]["body"]["choices"][0]
+    choice = result_record("c", url, out, "m", builder.llm.tokenizer, num_logprobs=2)["response"]["body"]["choices"][0]
     sample = out.outputs[0]
     expected = [step[t].logprob for t, step in zip(sample.token_ids, sample.logprobs, strict=True)]
     assert len(expected) == 4  # max_tokens, ignore_eos
@@ -261,4 +262,9 @@ def test_response_logprobs_are_the_engines(builder, url):
         assert choice["logprobs"]["token_logprobs"] == expected
         assert choice["logprobs"]["tokens"] == [builder.llm.tokenizer.decode([t]) for t in sample.token_ids]
         assert choice["text"] == sample.text
-        assert all(2 <= len(top) <= 3 for top in choice["logprobs"]["top_logprobs"])
+        # the sampled token first, then the top 2, keyed by text (the tiny vocabulary has tokens of one text)
+        assert all(1 <= len(top) <= 3 for top in choice["logprobs"]["top_logprobs"])
+    if "chat" in url:  # the top 2 only, by rank; a sampled token outside them (vocab rank > 2) is not listed
+        for step, got in zip(sample.logprobs, choice["logprobs"]["content"], strict=True):
+            want = [lp.logprob for _, lp in sorted(step.items(), key=lambda e: e[1].rank)[:2]]
+            assert [e["logprob"] for e in got["top_logprobs"]] == want

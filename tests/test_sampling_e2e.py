@@ -191,10 +191,36 @@ def test_logprobs_match_hf(tiny_model, hf, llm):
         for step, (token, entry) in enumerate(zip(o.token_ids, o.logprobs, strict=True)):
             assert entry[token].logprob == pytest.approx(ref[step, token].item(), abs=1e-4)
             top = ref[step].topk(3)
-            ranked = sorted((lp.rank, t) for t, lp in entry.items() if lp.rank is not None)
+            ranked = sorted((lp.rank, t) for t, lp in entry.items() if lp.rank <= 3)
             assert [t for _, t in ranked] == top.indices.tolist()
             total += ref[step, token].item()
         assert o.cumulative_logprob == pytest.approx(total, abs=1e-3)
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_sampled_token_comes_first_with_its_vocab_rank(tiny_model, hf, llm, k):
+    """vLLM's sample logprobs: the sampled token first with its rank in the vocabulary (how many
+    tokens score at least as high: vLLM's batched_count_greater_than), then the top k, ranks 1..k."""
+    prompts = random_prompts(3, 5, 15, seed=12)
+    params = SamplingParams(temperature=1.5, seed=5, max_tokens=12, ignore_eos=True, logprobs=k)
+    outsiders = 0
+    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False), strict=True):
+        o = out.outputs[0]
+        ref = hf.logprobs(tiny_model, prompt, o.token_ids)  # [num_out, vocab]
+        for step, (token, entry) in enumerate(zip(o.token_ids, o.logprobs, strict=True)):
+            row, rank = ref[step], entry[token].rank
+            assert list(entry)[0] == token
+            # HF values tied within 1e-4 may order either way
+            lo, hi = int((row > row[token] + 1e-4).sum()) + 1, int((row >= row[token] - 1e-4).sum())
+            assert lo <= rank <= hi
+            top = {t: lp.rank for t, lp in entry.items() if t != token or rank <= k}
+            assert sorted(top.values()) == list(range(1, k + 1))
+            if rank > k:
+                outsiders += 1
+                assert len(entry) == k + 1
+            else:
+                assert len(entry) == k and top[token] == rank
+    assert outsiders > 0  # the case this test is about: a sampled token outside the top k
 
 
 def test_default_params_come_from_generation_config(tiny_model, tmp_path):

@@ -217,10 +217,12 @@ class LLMEngine:
             return
         token = seq.token_ids[-1]
         seq.cumulative_logprob += out.logprobs[i]
+        # vLLM's layout: the sampled token first with its rank in the vocabulary, then the top k
+        # with ranks 1..k (a sampled token among them keeps its place first and takes its top-k rank).
+        entry = {token: Logprob(out.logprobs[i], out.ranks[i])}
         top = list(out.top_logprobs[i].items())[: seq.params.logprobs]
-        entry = {t: Logprob(lp, rank + 1) for rank, (t, lp) in enumerate(top)}
-        if token not in entry:
-            entry[token] = Logprob(out.logprobs[i], None)
+        for rank, (t, lp) in enumerate(top, start=1):
+            entry[t] = Logprob(lp, rank)
         seq.logprobs.append(entry)
 
     def _check_stop(self, seq: Sequence, request: Request) -> bool:

@@ -25,8 +25,11 @@ def _uid() -> str:
     return uuid.uuid4().hex
 
 
-def result_record(custom_id: str, url: str, out: RequestOutput, model: str, tokenizer, echo: bool = False) -> dict:
-    body = _chat_body(out, model, tokenizer) if url == CHAT_URL else _completion_body(out, model, tokenizer, echo)
+def result_record(custom_id: str, url: str, out: RequestOutput, model: str, tokenizer, echo: bool = False,
+                  *, num_logprobs: int | None) -> dict:
+    """`num_logprobs`: the request's k (SamplingParams.logprobs), the length of each top_logprobs list."""
+    k = num_logprobs or 0
+    body = _chat_body(out, model, tokenizer, k) if url == CHAT_URL else _completion_body(out, model, tokenizer, k, echo)
     return {
         "id": f"nanoserve-{_uid()}",
         "custom_id": custom_id,
@@ -73,7 +76,7 @@ def _usage(out: RequestOutput) -> dict:
     }
 
 
-def _chat_body(out: RequestOutput, model: str, tokenizer) -> dict:
+def _chat_body(out: RequestOutput, model: str, tokenizer, k: int) -> dict:
     choices = [
         {
             "index": c.index,
@@ -81,7 +84,7 @@ def _chat_body(out: RequestOutput, model: str, tokenizer) -> dict:
                 "role": "assistant", "content": c.text, "refusal": None, "annotations": None, "audio": None,
                 "function_call": None, "tool_calls": [], "reasoning_content": None,
             },
-            "logprobs": _chat_logprobs(c, tokenizer),
+            "logprobs": _chat_logprobs(c, tokenizer, k),
             "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
         }
@@ -94,13 +97,13 @@ def _chat_body(out: RequestOutput, model: str, tokenizer) -> dict:
     }
 
 
-def _completion_body(out: RequestOutput, model: str, tokenizer, echo: bool = False) -> dict:
+def _completion_body(out: RequestOutput, model: str, tokenizer, k: int, echo: bool = False) -> dict:
     prompt_text = (out.prompt if out.prompt is not None else tokenizer.decode(out.prompt_token_ids)) if echo else ""
     choices = [
         {
             "index": c.index,
             "text": prompt_text + c.text,
-            "logprobs": _echo_logprobs(out, c, tokenizer) if echo else _completion_logprobs(c, tokenizer),
+            "logprobs": _echo_logprobs(out, c, tokenizer, k) if echo else _completion_logprobs(c, tokenizer, k),
             "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
             "prompt_logprobs": _prompt_logprobs(out),
@@ -118,12 +121,14 @@ def _token_text(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id])
 
 
-def _top(step: dict[int, Logprob]) -> list[tuple[int, Logprob]]:
-    """The step's top-k entries by rank (the sampled token is listed too when outside them)."""
-    return sorted(((t, lp) for t, lp in step.items() if lp.rank is not None), key=lambda e: e[1].rank)
+def _top(step: dict[int, Logprob], k: int | None) -> list[tuple[int, Logprob]]:
+    """The step's top-k entries by rank. The step also holds the sampled (or prompt) token with its
+    rank in the vocabulary; outside the top k that rank is >= k + 1 (ties included: it counts every
+    token scoring at least as high), so `rank <= k` keeps exactly the top k. k None: every entry."""
+    return sorted(((t, lp) for t, lp in step.items() if k is None or lp.rank <= k), key=lambda e: e[1].rank)
 
 
-def _chat_logprobs(c: CompletionOutput, tokenizer) -> dict | None:
+def _chat_logprobs(c: CompletionOutput, tokenizer, k: int) -> dict | None:
     if c.logprobs is None:
         return None
 
@@ -134,12 +139,12 @@ def _chat_logprobs(c: CompletionOutput, tokenizer) -> dict | None:
     content = []
     for token_id, step in zip(c.token_ids, c.logprobs):
         item = entry(token_id, step[token_id].logprob)
-        item["top_logprobs"] = [entry(t, lp.logprob) for t, lp in _top(step)]
+        item["top_logprobs"] = [entry(t, lp.logprob) for t, lp in _top(step, k)]
         content.append(item)
     return {"content": content}
 
 
-def _completion_logprobs(c: CompletionOutput, tokenizer) -> dict | None:
+def _completion_logprobs(c: CompletionOutput, tokenizer, k: int) -> dict | None:
     if c.logprobs is None:
         return None
     result: dict[str, list] = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
@@ -150,7 +155,7 @@ def _completion_logprobs(c: CompletionOutput, tokenizer) -> dict | None:
         result["token_logprobs"].append(max(step[token_id].logprob, _MIN_LOGPROB))
         result["tokens"].append(text)
         top = {text: max(step[token_id].logprob, _MIN_LOGPROB)}  # vLLM lists the sampled token first
-        top.update({_token_text(tokenizer, t): max(lp.logprob, _MIN_LOGPROB) for t, lp in _top(step)})
+        top.update({_token_text(tokenizer, t): max(lp.logprob, _MIN_LOGPROB) for t, lp in _top(step, k)})
         result["top_logprobs"].append(top)
         offset += len(text)
     return result
@@ -169,10 +174,10 @@ def _prompt_logprobs(out: RequestOutput) -> list[dict | None] | None:
     ]
 
 
-def _echo_logprobs(out: RequestOutput, c: CompletionOutput, tokenizer) -> dict | None:
+def _echo_logprobs(out: RequestOutput, c: CompletionOutput, tokenizer, k: int) -> dict | None:
     """OpenAI completions `echo` + `logprobs`: the prompt's tokens first (token_logprobs and
     top_logprobs null for the first), then the completion's, text_offset running over both."""
-    completion = _completion_logprobs(c, tokenizer)
+    completion = _completion_logprobs(c, tokenizer, k)
     if completion is None or out.prompt_logprobs is None:
         return completion
     result: dict[str, list] = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
@@ -187,7 +192,8 @@ def _echo_logprobs(out: RequestOutput, c: CompletionOutput, tokenizer) -> dict |
         else:
             result["token_logprobs"].append(max(step[token_id].logprob, _MIN_LOGPROB))
             top = {text: max(step[token_id].logprob, _MIN_LOGPROB)}
-            top.update({_token_text(tokenizer, t): max(lp.logprob, _MIN_LOGPROB) for t, lp in _top(step)})
+            # every entry: the prompt token (listed first already) and its top prompt_logprobs
+            top.update({_token_text(tokenizer, t): max(lp.logprob, _MIN_LOGPROB) for t, lp in _top(step, None)})
             result["top_logprobs"].append(top)
         offset += len(text)
     result["text_offset"].extend(offset + o for o in completion["text_offset"])

@@ -35,6 +35,7 @@ class LineKey(NamedTuple):
     custom_id: str | None  # None: the line is answered by its number (no custom_id of its own)
     url: str | None
     echo: bool = False  # completions: the prompt comes back before the completion (text and logprobs)
+    num_logprobs: int | None = None  # the request's k: the top_logprobs lists of the body hold k entries
     # An embeddings line with several inputs runs as several requests, answered in one record.
     part: int = 0
     num_parts: int = 1
@@ -126,7 +127,8 @@ def _run(llm, input_file, output_file, model, done, total, max_inflight, progres
                         continue
                     writer.write(embeddings_record(key.custom_id, outs, model, key.encoding_format))
                 else:
-                    writer.write(result_record(key.custom_id, key.url, result, model, llm.tokenizer, key.echo))
+                    writer.write(result_record(key.custom_id, key.url, result, model, llm.tokenizer, key.echo,
+                                               num_logprobs=key.num_logprobs))
                 bar.update(1)
                 bar.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):.0f} gen tok/s", refresh=False)
         except KeyboardInterrupt:
@@ -167,7 +169,8 @@ def _requests(
             request = RequestError(str(e), type(e))
         body = record.get("body")
         echo = isinstance(body, dict) and body.get("echo") is True
-        key = LineKey(line, custom_id, record.get("url"), echo)
+        num_logprobs = getattr(request.params, "logprobs", None) if isinstance(request, EngineRequest) else None
+        key = LineKey(line, custom_id, record.get("url"), echo, num_logprobs)
         if isinstance(request, EmbeddingLine):
             n = len(request.requests)
             for i, part in enumerate(request.requests):

@@ -31,6 +31,7 @@ from nanoserve.sampling.rng import row_uniforms
 class SamplerOutput:
     token_ids: torch.Tensor  # [B] int64
     logprobs: torch.Tensor | None  # [B] float32, logprob of the sampled token; None if nobody asked
+    ranks: torch.Tensor | None  # [B] int64, the sampled token's rank in the vocabulary (1 = most likely)
     topk_token_ids: torch.Tensor | None  # [B, K] int64, K = max logprobs asked (may be 0)
     topk_logprobs: torch.Tensor | None  # [B, K] float32
 
@@ -52,7 +53,7 @@ class Sampler(torch.nn.Module):
                          and meta.frequency_penalty is None and meta.presence_penalty is None)
         if meta.all_greedy and no_processing and meta.max_num_logprobs is None:
             # The common path: float32 conversion is exact and monotone, so skip it for argmax.
-            return SamplerOutput(logits.argmax(-1), None, None, None)
+            return SamplerOutput(logits.argmax(-1), None, None, None, None)
         raw = logits.float()  # [B, V]; may be the caller's tensor, so never written in place
 
         logits = raw
@@ -69,14 +70,17 @@ class Sampler(torch.nn.Module):
         logits = apply_penalties(logits, meta)
         token_ids = self._sample(logits, meta)
 
-        logprobs = topk_ids = topk_logprobs = None
+        logprobs = ranks = topk_ids = topk_logprobs = None
         if meta.max_num_logprobs is not None:
-            # log_softmax(scored) at a few positions only: scored - logsumexp, no [B, V] result.
             lse = scored.logsumexp(-1, keepdim=True)  # [B, 1]
-            logprobs = (scored.gather(1, token_ids[:, None]) - lse).squeeze(1)
-            top_vals, topk_ids = scored.topk(meta.max_num_logprobs, dim=-1)  # [B, K]
-            topk_logprobs = top_vals - lse
-        return SamplerOutput(token_ids, logprobs, topk_ids, topk_logprobs)
+            all_logprobs = scored - lse  # log_softmax(scored)
+            logprobs = all_logprobs.gather(1, token_ids[:, None])  # [B, 1]
+            # vLLM's rank (batched_count_greater_than): how many tokens score >= the sampled one,
+            # counted over logprobs (not logits) so that ties after rounding count as vLLM's do.
+            ranks = (all_logprobs >= logprobs).sum(-1)
+            logprobs = logprobs.squeeze(1)
+            topk_logprobs, topk_ids = all_logprobs.topk(meta.max_num_logprobs, dim=-1)  # [B, K]
+        return SamplerOutput(token_ids, logprobs, ranks, topk_ids, topk_logprobs)
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """[B, V] processed logits (never written to) -> [B] int64 token ids."""
