@@ -178,7 +178,8 @@ def test_run_batch_echo_and_prompt_logprobs_as_openai_and_vllm(tiny_model):
     request = builder.build({"method": "POST", "url": "/v1/completions", "body": body})
     assert request.params.prompt_logprobs == 2
     [(_, out)] = stream_requests(llm.engine, [(0, request)], 1)
-    choice = result_record("c", "/v1/completions", out, "m", tok, echo=True, num_logprobs=2)["response"]["body"]["choices"][0]
+    record = result_record("c", "/v1/completions", out, "m", tok, echo=True, num_logprobs=2)
+    choice = record["response"]["body"]["choices"][0]
     sample = out.outputs[0]
     texts = [tok.decode([t]) for t in prompt + sample.token_ids]
     lp = choice["logprobs"]
