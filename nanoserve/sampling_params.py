@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import math
 from dataclasses import dataclass, fields
 
@@ -16,8 +17,12 @@ def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+logger = logging.getLogger(__name__)
+
 # Shown by repr() whatever their value; every other field only when it differs from its default.
 _ALWAYS_SHOWN = ("n", "temperature", "top_p", "top_k", "max_tokens")
+# vLLM raises a temperature in (0, _MIN_TEMPERATURE) to it (dividing by less overflows in half precision).
+_MIN_TEMPERATURE = 1e-2
 
 
 @dataclass(repr=False)
@@ -60,9 +65,19 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        """Check every field and normalise in place (stop str -> [str], top_k -1 -> 0); idempotent."""
+        """Check every field and normalise in place as vLLM does (stop str -> [str], top_k -1 -> 0,
+        seed -1 -> None, logprobs True -> 1, temperature in (0, 0.01) -> 0.01); idempotent."""
+        if self.seed == -1 and not isinstance(self.seed, bool):
+            self.seed = None
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is True:
+                setattr(self, name, 1)
         self._check_types()
         self._check_ranges()
+        if 0.0 < self.temperature < _MIN_TEMPERATURE:
+            logger.warning("temperature %s is less than %s, which may cause numerical errors nan or inf in "
+                           "tensors. We have maxed it out to %s.", self.temperature, _MIN_TEMPERATURE, _MIN_TEMPERATURE)
+            self.temperature = _MIN_TEMPERATURE
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -147,11 +162,13 @@ class SamplingParams:
         if self.prompt_logprobs_start is not None and self.prompt_logprobs is None:
             raise ValueError("prompt_logprobs_start needs prompt_logprobs (the number of top logprobs per position)")
         if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise bad("seed", "in [0, 2**63) or None")
+            raise bad("seed", "in [0, 2**63), -1 or None")
         if any(s == "" for s in ([self.stop] if isinstance(self.stop, str) else self.stop or [])):
             raise ValueError("stop strings must be non-empty")
         if any(t < 0 for t in self.stop_token_ids or []):
             raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
+        if self.stop and not self.detokenize:  # without text there is nothing to match them against
+            raise ValueError("stop strings are only supported when detokenize is True. Set detokenize=True to use stop.")
 
     def _check_structured_outputs(self) -> None:
         """Dicts become the classes; the constraint is checked (compiling waits for the tokenizer,

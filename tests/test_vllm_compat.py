@@ -372,3 +372,34 @@ def test_output_repr_is_short():
     assert "(3000 ids)" in r and "(5000 ids)" in r and "(5000 chars)" in r and "finish_reason='length'" in r
     small = CompletionOutput(index=0, text="hi", token_ids=[1, 2])
     assert "text='hi'" in repr(small) and "token_ids=[1, 2]" in repr(small)
+
+
+def test_sampling_params_normalised_as_vllm(llm, caplog):
+    """Values vLLM takes and rewrites: seed -1 (no seed), logprobs / prompt_logprobs True (1), a
+    temperature in (0, 0.01) raised to 0.01 with a warning."""
+    params = SamplingParams(seed=-1, logprobs=True, prompt_logprobs=True)
+    assert (params.seed, params.logprobs, params.prompt_logprobs) == (None, 1, 1)
+    with caplog.at_level(logging.WARNING, logger="nanoserve.sampling_params"):
+        assert SamplingParams(temperature=1e-3).temperature == 0.01
+    assert "maxed it out to 0.01" in caplog.text
+    assert SamplingParams(temperature=0).temperature == 0.0  # greedy stays greedy
+    params = SamplingParams()
+    params.temperature, params.seed = 1e-4, -1  # set after construction: normalised when the request is added
+    llm.generate(PROMPTS[:1], params, use_tqdm=False)
+    assert (params.temperature, params.seed) == (0.01, None)
+    for bad, kind in ((dict(seed=-2), ValueError), (dict(logprobs=False), TypeError)):
+        with pytest.raises(kind):
+            SamplingParams(**bad)
+
+
+def test_stop_strings_need_detokenize(llm):
+    """vLLM refuses stop strings with detokenize=False (there is no text to match); they were ignored."""
+    with pytest.raises(ValueError, match="stop strings are only supported when detokenize is True"):
+        SamplingParams(stop="x", detokenize=False)
+    params = SamplingParams(detokenize=False)
+    params.stop = ["x"]
+    with pytest.raises(ValueError, match="detokenize"):
+        llm.generate(PROMPTS, params, use_tqdm=False)
+    assert llm.engine.is_finished() and not llm.engine.requests
+    SamplingParams(stop_token_ids=[3], detokenize=False)  # token ids need no text
+
