@@ -403,3 +403,14 @@ def test_stop_strings_need_detokenize(llm):
     assert llm.engine.is_finished() and not llm.engine.requests
     SamplingParams(stop_token_ids=[3], detokenize=False)  # token ids need no text
 
+
+@pytest.mark.parametrize("detokenize", [True, False])
+def test_sample_logprobs_decoded_token(llm, detokenize):
+    """vLLM's Logprob.decoded_token for sample logprobs: each token decoded alone; None without text."""
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=4, logprobs=2, detokenize=detokenize)
+    sample = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
+    tok = llm.get_tokenizer()
+    for step in sample.logprobs:
+        assert len(step) >= 2
+        for t, lp in step.items():
+            assert lp.decoded_token == (tok.decode([t]) if detokenize else None)

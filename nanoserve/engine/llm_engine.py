@@ -272,7 +272,7 @@ class LLMEngine:
                     text=detok.output_text if detok is not None else "",
                     token_ids=seq.output_token_ids,
                     cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
-                    logprobs=seq.logprobs if wants_logprobs else None,
+                    logprobs=self._decoded(seq.logprobs, seq.params) if wants_logprobs else None,
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
                 )
@@ -288,6 +288,14 @@ class LLMEngine:
             metrics=request.metrics,
             prompt_logprobs=self._prompt_logprobs(request),
         )
+
+    def _decoded(self, logprobs: list[dict[int, Logprob]], params: SamplingParams) -> list[dict[int, Logprob]]:
+        """vLLM's decoded_token of sample logprobs: each token decoded alone (None when detokenize=False)."""
+        if params.detokenize:
+            for step in logprobs:
+                for t, lp in step.items():
+                    lp.decoded_token = self.tokenizer.decode([t])
+        return logprobs
 
     def _prompt_logprobs(self, request: Request) -> PromptLogprobs | None:
         if request.prompt_logprobs is None:
