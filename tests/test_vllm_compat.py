@@ -414,3 +414,20 @@ def test_sample_logprobs_decoded_token(llm, detokenize):
         assert len(step) >= 2
         for t, lp in step.items():
             assert lp.decoded_token == (tok.decode([t]) if detokenize else None)
+
+
+def test_output_fields_vllm_scripts_read(llm):
+    """Every RequestOutput / CompletionOutput attribute of vLLM's, those of absent features None."""
+    params = SamplingParams(n=2, seed=0, max_tokens=3, logprobs=1, prompt_logprobs=1)
+    (out,) = llm.generate({"prompt": PROMPTS[0]}, params, use_tqdm=False)
+    assert (out.prompt, out.finished, out.lora_request, out.encoder_prompt, out.encoder_prompt_token_ids,
+            out.kv_transfer_params) == (PROMPTS[0], True, None, None, None, None)
+    assert out.prompt_token_ids == llm.get_tokenizer().encode(PROMPTS[0])
+    assert len(out.prompt_logprobs) == len(out.prompt_token_ids) and out.num_cached_tokens >= 0
+    m = out.metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+    assert [c.index for c in out.outputs] == [0, 1]
+    for c in out.outputs:
+        assert len(c.token_ids) == len(c.logprobs) == 3 and c.finished() and c.finish_reason == "length"
+        assert c.cumulative_logprob == pytest.approx(sum(step[t].logprob for t, step in zip(c.token_ids, c.logprobs)))
+        assert (c.stop_reason, c.lora_request, c.kv_transfer_params) == (None, None, None)
