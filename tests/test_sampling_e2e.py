@@ -247,6 +247,6 @@ def test_chat_applies_template(llm):
 def test_metrics_are_ordered(llm):
     (out,) = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     m = out.metrics
-    assert m.arrival_time <= m.first_token_time <= m.finished_time
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
     assert m.time_to_first_token >= 0 and m.time_per_output_token >= 0
     assert m.num_generated_tokens == 6

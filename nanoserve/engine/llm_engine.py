@@ -172,6 +172,11 @@ class LLMEngine:
     def step(self) -> StepStats:
         try:
             batch = self.scheduler.schedule()
+            scheduled_at = time.perf_counter()
+            for seq in batch.seqs:
+                metrics = self.requests[seq.request_id].metrics
+                if metrics.first_scheduled_time is None:
+                    metrics.first_scheduled_time = scheduled_at
             entries = [
                 StepEntry(seq.request_id, seq.num_computed_tokens, n, samples)
                 for seq, n, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples)
