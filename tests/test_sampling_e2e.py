@@ -129,6 +129,22 @@ def test_stop_token_ids(llm):
     assert o.finish_reason == "stop" and o.stop_reason == stop_id
 
 
+
+def test_stop_token_text_only_with_include_stop_str_in_output(llm):
+    """vLLM: the text of the token that stopped a sample is left out unless include_stop_str_in_output."""
+    prompt = random_prompts(1, 8, 8, seed=8)[0]
+    full = _greedy_with_text(llm, prompt).token_ids
+    cut = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in range(1, len(full) + 1)]
+    texts = [o.outputs[0].text for o in llm.generate([prompt] * len(cut), cut, use_tqdm=False)]  # texts[i]: i + 1 tokens
+    # a token that first appears at i and adds text of its own there
+    i = next(i for i in range(1, len(full)) if full.index(full[i]) == i and texts[i] != texts[i - 1])
+    for include, want in ((False, texts[i - 1]), (True, texts[i])):
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=[full[i]],
+                                include_stop_str_in_output=include)
+        o = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        assert (o.token_ids, o.text, o.finish_reason, o.stop_reason) == (full[: i + 1], want, "stop", full[i])
+
+
 def test_min_tokens_suppresses_stop_tokens(llm):
     prompt = random_prompts(1, 8, 8, seed=8)[0]
     stop_id = _greedy_with_text(llm, prompt).token_ids[1]

@@ -233,13 +233,17 @@ class LLMEngine:
     def _check_stop(self, seq: Sequence, request: Request) -> bool:
         params, token = seq.params, seq.token_ids[-1]
         past_min = seq.num_output_tokens > params.min_tokens  # EOS/stop ids were masked until then
-        if past_min and not params.ignore_eos and token in self.eos_token_ids:
-            seq.finish_reason = "stop"
-            return True
-        if past_min and token in params.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", token
-            return True
         detok = request.detokenizers[seq.sample_index]
+        stop_token = past_min and ((not params.ignore_eos and token in self.eos_token_ids)
+                                   or token in params.stop_token_ids)
+        if stop_token:
+            seq.finish_reason = "stop"
+            seq.stop_reason = None if token in self.eos_token_ids and not params.ignore_eos else token
+            # vLLM's detokenizer renders the token that stopped the sample only with
+            # include_stop_str_in_output (and then a stop string it completes is the stop_reason).
+            if detok is not None and params.include_stop_str_in_output:
+                seq.stop_reason = detok.update([token]) or seq.stop_reason
+            return True
         if detok is not None:
             stop = detok.update([token])
             if stop is not None:
