@@ -187,7 +187,8 @@ def test_eos_stops_unless_ignored(eos_model):
     eos = full[4]
     o = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0]
     assert o.token_ids == full[: full.index(eos) + 1]
-    assert o.finish_reason == "stop" and o.stop_reason is None
+    # vLLM: an EOS id of generation_config.json other than the tokenizer's acts as a stop token id
+    assert eos != llm.tokenizer.eos_token_id and o.finish_reason == "stop" and o.stop_reason == eos
     assert o.text == llm.tokenizer.decode(o.token_ids[:-1], skip_special_tokens=True)  # EOS not in text
     o = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)[0]
     assert o.outputs[0].token_ids == full and o.outputs[0].finish_reason == "length"
