@@ -60,6 +60,10 @@ class SamplingParams:
     # must match; a dict is accepted in place of the class. guided_decoding: vLLM's older name.
     structured_outputs: StructuredOutputsParams | dict | None = None
     guided_decoding: GuidedDecodingParams | dict | None = None
+    # vLLM's logits processors: {token id: bias} added to the logits (keys may be digit strings,
+    # as in the OpenAI API), and the only token ids a sample may take.
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -74,6 +78,7 @@ class SamplingParams:
                 setattr(self, name, 1)
         self._check_types()
         self._check_ranges()
+        self._check_token_biases()
         if 0.0 < self.temperature < _MIN_TEMPERATURE:
             logger.warning("temperature %s is less than %s, which may cause numerical errors nan or inf in "
                            "tensors. We have maxed it out to %s.", self.temperature, _MIN_TEMPERATURE, _MIN_TEMPERATURE)
@@ -169,6 +174,29 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
         if self.stop and not self.detokenize:  # without text there is nothing to match them against
             raise ValueError("stop strings are only supported when detokenize is True. Set detokenize=True to use stop.")
+
+    def _check_token_biases(self) -> None:
+        """logit_bias keys become ints and values floats; allowed_token_ids a non-empty list of ints
+        (vLLM refuses an empty one). Whether the ids are in the vocabulary is checked with the model."""
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise TypeError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
+            bias = {}
+            for key, value in self.logit_bias.items():
+                token = key if _is_int(key) else int(key) if isinstance(key, str) and key.strip().isdigit() else None
+                if token is None:
+                    raise ValueError(f"logit_bias keys must be token ids (ints or digit strings), got {key!r}")
+                if not _is_number(value) or not math.isfinite(value):
+                    raise ValueError(f"logit_bias values must be finite numbers, got {value!r} for token {key!r}")
+                bias[token] = float(value)
+            self.logit_bias = bias
+        ids = self.allowed_token_ids
+        if ids is not None:
+            if not isinstance(ids, (list, tuple)) or not all(_is_int(t) for t in ids):
+                raise TypeError(f"allowed_token_ids must be a list of int, got {ids!r}")
+            if not ids:
+                raise ValueError("allowed_token_ids must not be empty (None allows every token)")
+            self.allowed_token_ids = list(ids)
 
     def _check_structured_outputs(self) -> None:
         """Dicts become the classes; the constraint is checked (compiling waits for the tokenizer,

@@ -230,9 +230,13 @@ def test_body_fields_map_to_sampling_params_as_vllm(builder):
         {"method": "POST", "url": "/v1/chat/completions", "body": chat}).prompt_token_ids)
     p = builder.build({"method": "POST", "url": "/v1/completions", "body": {"prompt": "a", "logprobs": 2}}).params
     assert (p.max_tokens, p.logprobs) == (16, 2)
+    # vLLM's server: logit_bias keys are token ids as strings, values clamped to [-100, 100]
+    p = builder.build({"method": "POST", "url": "/v1/completions", "body": {
+        "prompt": "a", "logit_bias": {"5": 1, "7": -300}, "allowed_token_ids": [5, 7, 9]}}).params
+    assert (p.logit_bias, p.allowed_token_ids) == ({5: 1.0, 7: -100.0}, [5, 7, 9])
     for body, match in [({**chat, "top_logprobs": 2}, "`logprobs` must be set to true"),
                         ({**chat, "stream": True}, "`stream` is not supported"),
-                        ({**chat, "logit_bias": {"5": 1}}, "`logit_bias` is not supported"),
+                        ({**chat, "logit_bias": {"x": 1}}, "logit_bias keys must be token ids"),
                         ({**chat, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "text parts"),
                         ({"prompt": ["a", "b"]}, "one prompt per line")]:
         url = "/v1/chat/completions" if "messages" in body else "/v1/completions"

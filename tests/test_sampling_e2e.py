@@ -3,6 +3,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from helpers import assert_no_leak, make_llm, random_prompts
 from nanoserve import SamplingParams
@@ -267,3 +268,44 @@ def test_metrics_are_ordered(llm):
     assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
     assert m.time_to_first_token >= 0 and m.time_per_output_token >= 0
     assert m.num_generated_tokens == 6
+
+
+def test_logit_bias_and_allowed_token_ids_as_vllm(tiny_model, hf, llm):
+    """vLLM's logits processors: logit_bias is added to the logits, allowed_token_ids masks every
+    other token; both act after the (raw) logprobs are taken, so logprobs stay the model's."""
+    prompt = random_prompts(1, 8, 8, seed=13)[0]
+    vocab = llm.engine.vocab_size
+    allowed = list(range(100, 140))
+    plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    first = hf.logprobs(tiny_model, prompt, plain[0].outputs[0].token_ids)[0].topk(2)
+    runner_up = int(first.indices[1])  # biased past the argmax: the first token changes
+    bias = {runner_up: float(first.values[0] - first.values[1]) + 0.5, int(first.indices[0]) - 1: -40.0, 9: 1.5}
+    for params in (SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logit_bias=bias, logprobs=0),
+                   SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, allowed_token_ids=allowed,
+                                  logit_bias={str(allowed[-1]): 2.0}, logprobs=0)):
+        o = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        ref = hf.logprobs(tiny_model, prompt, o.token_ids)  # [T, V]: the model's, unbiased
+        shift = torch.zeros(vocab)
+        for t, b in params.logit_bias.items():
+            shift[t] = b
+        if params.allowed_token_ids is not None:
+            shift[[t for t in range(vocab) if t not in allowed]] = float("-inf")
+        for step, token in enumerate(o.token_ids):
+            assert token == int((ref[step] + shift).argmax())
+            assert o.logprobs[step][token].logprob == pytest.approx(ref[step, token].item(), abs=1e-4)
+        if params.allowed_token_ids is None:
+            assert o.token_ids[0] == runner_up
+        else:
+            assert plain[0].outputs[0].token_ids[0] not in allowed  # the mask changed the first token
+    sampled = llm.generate([prompt], SamplingParams(n=3, seed=1, max_tokens=12, ignore_eos=True, temperature=1.5,
+                                                    allowed_token_ids=allowed), use_tqdm=False)[0].outputs
+    assert all(t in allowed for c in sampled for t in c.token_ids)
+    for bad, match in ((dict(allowed_token_ids=[]), "allowed_token_ids must not be empty"),
+                       (dict(logit_bias={"x": 1.0}), "logit_bias keys must be token ids"),
+                       (dict(logit_bias={1: float("nan")}), "logit_bias values must be finite")):
+        with pytest.raises((ValueError, TypeError), match=match):
+            SamplingParams(**bad)
+    for bad in (dict(allowed_token_ids=[vocab]), dict(logit_bias={vocab: 1.0})):
+        with pytest.raises(ValueError, match=f"{next(iter(bad))} token ids must be in"):
+            llm.generate([prompt], SamplingParams(max_tokens=2, **bad), use_tqdm=False)
+    assert_no_leak(llm)

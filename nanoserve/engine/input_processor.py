@@ -107,9 +107,11 @@ class InputProcessor:
             raise ValueError(f"prompt token ids must be ints in [0, {vocab}); got {bad[:5]}")
         if len(prompt_token_ids) > cfg.max_model_len:
             raise ValueError(f"prompt has {len(prompt_token_ids)} tokens, longer than max_model_len={cfg.max_model_len}")
-        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"stop_token_ids must be in [0, {vocab}) (the model's vocab_size), got {bad}")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ()),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{name} token ids must be in [0, {vocab}) (the model's vocab_size), got {bad[:5]}")
         if params.logprobs is not None and params.logprobs > cfg.max_logprobs:
             raise ValueError(
                 f"logprobs={params.logprobs} exceeds max_logprobs={cfg.max_logprobs}; "

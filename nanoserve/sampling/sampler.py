@@ -11,6 +11,8 @@ Order of operations (vLLM's):
      constrained row are over the tokens the grammar allows.
   2. suppressed tokens (EOS / stop ids while min_tokens is not reached) -> -inf, except in a row
      where that would leave its grammar no token at all.
+  2b. allowed_token_ids: every other token -> -inf; logit_bias added (vLLM's logits processors,
+     after its raw logprobs, before penalties).
   3. penalties: repetition (over prompt + output), frequency and presence (over the output).
   4. greedy rows (temperature 0, or top_k 1, which keeps the same single token) take the argmax.
   5. the other rows: logits / temperature, then top_k, top_p, min_p, then a seeded draw
@@ -50,7 +52,8 @@ class Sampler(torch.nn.Module):
                 f"logits must be [{meta.num_rows}, {meta.vocab_size}], got {list(logits.shape)}"
             )
         no_processing = (meta.suppressed is None and meta.grammar_forbidden is None and meta.repetition_penalty is None
-                         and meta.frequency_penalty is None and meta.presence_penalty is None)
+                         and meta.frequency_penalty is None and meta.presence_penalty is None
+                         and meta.bias is None and meta.disallowed is None)
         if meta.all_greedy and no_processing and meta.max_num_logprobs is None:
             # The common path: float32 conversion is exact and monotone, so skip it for argmax.
             return SamplerOutput(logits.argmax(-1), None, None, None, None)
@@ -67,6 +70,11 @@ class Sampler(torch.nn.Module):
                 # sample then ends with the grammar, before min_tokens) rather than drawing from nothing.
                 suppressed = torch.where(torch.isneginf(suppressed).all(-1, keepdim=True), logits, suppressed)
             logits = suppressed
+        if meta.disallowed is not None:
+            logits = logits.masked_fill(meta.disallowed, float("-inf"))
+        if meta.bias is not None:
+            index, values = meta.bias
+            logits = logits.index_put((index[0], index[1]), values, accumulate=True)
         logits = apply_penalties(logits, meta)
         token_ids = self._sample(logits, meta)
 
