@@ -64,6 +64,8 @@ class SamplingParams:
     # as in the OpenAI API), and the only token ids a sample may take.
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    # Words a sample never produces (vLLM's field; nanoserve/sampling/bad_words.py).
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -197,6 +199,13 @@ class SamplingParams:
             if not ids:
                 raise ValueError("allowed_token_ids must not be empty (None allows every token)")
             self.allowed_token_ids = list(ids)
+        words = self.bad_words
+        if words is not None:
+            if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) for w in words):
+                raise TypeError(f"bad_words must be a list of str, got {words!r}")
+            if any(not w for w in words):
+                raise ValueError(f"bad_words cannot contain an empty string. Got bad_words={list(words)}")
+            self.bad_words = list(dict.fromkeys(words))
 
     def _check_structured_outputs(self) -> None:
         """Dicts become the classes; the constraint is checked (compiling waits for the tokenizer,

@@ -309,3 +309,30 @@ def test_logit_bias_and_allowed_token_ids_as_vllm(tiny_model, hf, llm):
         with pytest.raises(ValueError, match=f"{next(iter(bad))} token ids must be in"):
             llm.generate([prompt], SamplingParams(max_tokens=2, **bad), use_tqdm=False)
     assert_no_leak(llm)
+
+
+def test_bad_words_never_appear(llm):
+    """vLLM's bad_words: a one-token word is banned everywhere; a longer word only at the step that
+    would complete it (its last token after its other tokens)."""
+    prompt = random_prompts(1, 8, 8, seed=14)[0]
+    greedy = dict(temperature=0, max_tokens=12, ignore_eos=True)
+    full = llm.generate([prompt], SamplingParams(**greedy), use_tqdm=False)[0].outputs[0].token_ids
+    tok = llm.get_tokenizer()
+    # a word of one token (as written and mid-text): the greedy output loses it and goes on without it
+    i, word = next((i, tok.decode([t]).strip()) for i, t in enumerate(full)
+                   if tok.decode([t]).strip() and len(tok.encode(tok.decode([t]).strip(), add_special_tokens=False)) == 1)
+    banned = {tok.encode(w, add_special_tokens=False)[0] for w in (word, " " + word)
+              if len(tok.encode(w, add_special_tokens=False)) == 1}
+    o = llm.generate([prompt], SamplingParams(bad_words=[word], **greedy), use_tqdm=False)[0].outputs[0]
+    assert o.token_ids[:i] == full[:i] and not banned & set(o.token_ids)
+    # a two-token word: its first token still appears, only the completion is banned
+    j = next(j for j in range(len(full) - 1)
+             if tok.encode(tok.decode(full[j : j + 2]).lstrip(), add_special_tokens=False) == full[j : j + 2])
+    pair = tok.decode(full[j : j + 2])
+    o = llm.generate([prompt], SamplingParams(bad_words=[pair], **greedy), use_tqdm=False)[0].outputs[0]
+    assert o.token_ids[: j + 1] == full[: j + 1] and o.token_ids[j + 1] != full[j + 1]
+    with pytest.raises(ValueError, match="bad_words cannot contain an empty string"):
+        SamplingParams(bad_words=[""])
+    with pytest.raises(TypeError, match="bad_words must be a list of str"):
+        SamplingParams(bad_words="word")
+    assert_no_leak(llm)

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 from nanoserve.config import Config
 from nanoserve.inputs import parse_prompt
 from nanoserve.sampling import SamplingSpec
+from nanoserve.sampling.bad_words import bad_words_token_ids
 from nanoserve.engine.pooling_requests import PoolingSpec, validate_pooling_request
 from nanoserve.pooling_params import PoolingParams
 from nanoserve.sampling_params import SamplingParams
@@ -130,4 +131,5 @@ class InputProcessor:
                 f"which must stay below 2**63), got {params.seed}"
             )
         self.structured.check(params)
-        return SamplingSpec.from_params(params, vocab, self.eos_token_ids)
+        words = bad_words_token_ids(params.bad_words, self.tokenizer, vocab) if params.bad_words else ()
+        return SamplingSpec.from_params(params, vocab, self.eos_token_ids, words)

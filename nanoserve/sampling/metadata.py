@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from nanoserve.sampling.bad_words import banned_tokens
 from nanoserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -45,10 +46,13 @@ class SamplingSpec:
     suppressed_token_ids: tuple[int, ...]  # stop ids + EOS (unless ignore_eos); () if min_tokens == 0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits
     allowed_token_ids: tuple[int, ...] | None = None  # every other token is masked; None = all allowed
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # bad_words.py: each one's last token is banned
 
     @classmethod
-    def from_params(cls, params: SamplingParams, vocab_size: int, eos_token_ids: list[int]) -> "SamplingSpec":
-        """The sampler's view of params that InputProcessor.validate accepted for this model."""
+    def from_params(cls, params: SamplingParams, vocab_size: int, eos_token_ids: list[int],
+                    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()) -> "SamplingSpec":
+        """The sampler's view of params that InputProcessor.validate accepted for this model
+        (bad_words come tokenized: bad_words.bad_words_token_ids)."""
         # top_k == 1 keeps only the max: exactly greedy, and cheaper (and exact under ties) that way.
         greedy = params.temperature < _MIN_TEMPERATURE or params.top_k == 1
         suppressed: tuple[int, ...] = ()
@@ -71,6 +75,7 @@ class SamplingSpec:
             suppressed_token_ids=suppressed,
             logit_bias=tuple((params.logit_bias or {}).items()),
             allowed_token_ids=None if params.allowed_token_ids is None else tuple(params.allowed_token_ids),
+            bad_words_token_ids=bad_words_token_ids,
         )
 
     @property
@@ -175,6 +180,11 @@ class SamplingMetadata:
             (i, t)
             for i, (s, step) in enumerate(zip(specs, steps)) if step < s.min_tokens
             for t in s.suppressed_token_ids
+        ]
+        pairs += [
+            (i, t)
+            for i, (r, s) in enumerate(zip(rows, specs)) if s.bad_words_token_ids
+            for t in banned_tokens(s.bad_words_token_ids, r.token_ids[r.num_prompt_tokens :])
         ]
         asked = [s.logprobs for s in specs if s.logprobs is not None]
         temperature = [s.temperature for s in specs]

@@ -9,8 +9,9 @@ Order of operations (vLLM's):
   1b. logprobs (if any row asked): log_softmax of these logits, before anything below. vLLM
      masks the logits with the grammar before its sampler, so its "raw" logprobs of a
      constrained row are over the tokens the grammar allows.
-  2. suppressed tokens (EOS / stop ids while min_tokens is not reached) -> -inf, except in a row
-     where that would leave its grammar no token at all.
+  2. suppressed tokens (EOS / stop ids while min_tokens is not reached, the last token of a bad
+     word the output would complete) -> -inf, except in a row where that would leave its grammar
+     no token at all.
   2b. allowed_token_ids: every other token -> -inf; logit_bias added (vLLM's logits processors,
      after its raw logprobs, before penalties).
   3. penalties: repetition (over prompt + output), frequency and presence (over the output).
