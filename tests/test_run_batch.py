@@ -232,8 +232,8 @@ def test_body_fields_map_to_sampling_params_as_vllm(builder):
     assert (p.max_tokens, p.logprobs) == (16, 2)
     # vLLM's server: logit_bias keys are token ids as strings, values clamped to [-100, 100]
     p = builder.build({"method": "POST", "url": "/v1/completions", "body": {
-        "prompt": "a", "logit_bias": {"5": 1, "7": -300}, "allowed_token_ids": [5, 7, 9]}}).params
-    assert (p.logit_bias, p.allowed_token_ids) == ({5: 1.0, 7: -100.0}, [5, 7, 9])
+        "prompt": "a", "logit_bias": {"5": 1, "7": -300}, "allowed_token_ids": [5, 7, 9], "bad_words": ["x"]}}).params
+    assert (p.logit_bias, p.allowed_token_ids, p.bad_words) == ({5: 1.0, 7: -100.0}, [5, 7, 9], ["x"])
     for body, match in [({**chat, "top_logprobs": 2}, "`logprobs` must be set to true"),
                         ({**chat, "stream": True}, "`stream` is not supported"),
                         ({**chat, "logit_bias": {"x": 1}}, "logit_bias keys must be token ids"),

@@ -34,7 +34,6 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "tools": lambda v: not v,
     "tool_choice": lambda v: v in ("none", "auto"),
     "structural_tag": lambda v: False,
-    "bad_words": lambda v: not v,
     "logits_processors": lambda v: not v,
     "truncate_prompt_tokens": lambda v: False,
     "prompt_embeds": lambda v: False,
@@ -43,7 +42,7 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
 # SamplingParams fields copied as they are when the body sets them (vLLM's names).
 _PLAIN_FIELDS = (
     "n", "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
-    "min_tokens", "skip_special_tokens", "include_stop_str_in_output", "allowed_token_ids",
+    "min_tokens", "skip_special_tokens", "include_stop_str_in_output", "allowed_token_ids", "bad_words",
 )
 # vLLM's server clamps each logit_bias value into this range (SamplingParams.from_optional).
 _LOGIT_BIAS_LIMIT = 100.0
