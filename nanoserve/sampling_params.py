@@ -175,7 +175,8 @@ class SamplingParams:
         if any(t < 0 for t in self.stop_token_ids or []):
             raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
         if self.stop and not self.detokenize:  # without text there is nothing to match them against
-            raise ValueError("stop strings are only supported when detokenize is True. Set detokenize=True to use stop.")
+            raise ValueError("stop strings are only supported when detokenize is True. "
+                             "Set detokenize=True to use stop.")
 
     def _check_token_biases(self) -> None:
         """logit_bias keys become ints and values floats; allowed_token_ids a non-empty list of ints

@@ -136,7 +136,8 @@ def test_stop_token_text_only_with_include_stop_str_in_output(llm):
     prompt = random_prompts(1, 8, 8, seed=8)[0]
     full = _greedy_with_text(llm, prompt).token_ids
     cut = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in range(1, len(full) + 1)]
-    texts = [o.outputs[0].text for o in llm.generate([prompt] * len(cut), cut, use_tqdm=False)]  # texts[i]: i + 1 tokens
+    # texts[i]: the text of i + 1 tokens
+    texts = [o.outputs[0].text for o in llm.generate([prompt] * len(cut), cut, use_tqdm=False)]
     # a token that first appears at i and adds text of its own there
     i = next(i for i in range(1, len(full)) if full.index(full[i]) == i and texts[i] != texts[i - 1])
     for include, want in ((False, texts[i - 1]), (True, texts[i])):
@@ -319,8 +320,11 @@ def test_bad_words_never_appear(llm):
     full = llm.generate([prompt], SamplingParams(**greedy), use_tqdm=False)[0].outputs[0].token_ids
     tok = llm.get_tokenizer()
     # a word of one token (as written and mid-text): the greedy output loses it and goes on without it
-    i, word = next((i, tok.decode([t]).strip()) for i, t in enumerate(full)
-                   if tok.decode([t]).strip() and len(tok.encode(tok.decode([t]).strip(), add_special_tokens=False)) == 1)
+    def one_token_word(t: int) -> bool:
+        word = tok.decode([t]).strip()
+        return bool(word) and len(tok.encode(word, add_special_tokens=False)) == 1
+
+    i, word = next((i, tok.decode([t]).strip()) for i, t in enumerate(full) if one_token_word(t))
     banned = {tok.encode(w, add_special_tokens=False)[0] for w in (word, " " + word)
               if len(tok.encode(w, add_special_tokens=False)) == 1}
     o = llm.generate([prompt], SamplingParams(bad_words=[word], **greedy), use_tqdm=False)[0].outputs[0]
