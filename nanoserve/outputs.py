@@ -26,7 +26,7 @@ def short_text(text: str | None) -> str:
 @dataclass
 class Logprob:
     logprob: float
-    rank: int | None = None  # 1 = most likely; None when outside the requested top-k
+    rank: int | None = None  # 1 = most likely; a sampled / prompt token outside the top k has its vocab rank
     decoded_token: str | None = None
 
 
@@ -39,6 +39,9 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None  # "stop" (EOS, stop token or stop string) or "length"
     stop_reason: int | str | None = None  # the stop token id or stop string; None for EOS / length
+    # vLLM's fields for features nanoserve does not have (LoRA, disaggregated KV): always None.
+    lora_request: None = None
+    kv_transfer_params: None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -85,6 +88,12 @@ class RequestOutput:
     metrics: RequestMetrics | None = field(default=None, repr=False)
     # vLLM's: per prompt token, None for the first, else {token id: Logprob} (SamplingParams.prompt_logprobs).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # vLLM's fields for features nanoserve does not have (LoRA, encoder-decoder models,
+    # disaggregated KV): always None, there for scripts that read them.
+    lora_request: None = None
+    encoder_prompt: None = None
+    encoder_prompt_token_ids: None = None
+    kv_transfer_params: None = None
 
     def __repr__(self) -> str:
         prompt_logprobs = (

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import math
 from dataclasses import dataclass, fields
 
@@ -16,8 +17,12 @@ def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+logger = logging.getLogger(__name__)
+
 # Shown by repr() whatever their value; every other field only when it differs from its default.
 _ALWAYS_SHOWN = ("n", "temperature", "top_p", "top_k", "max_tokens")
+# vLLM raises a temperature in (0, _MIN_TEMPERATURE) to it (dividing by less overflows in half precision).
+_MIN_TEMPERATURE = 1e-2
 
 
 @dataclass(repr=False)
@@ -55,14 +60,31 @@ class SamplingParams:
     # must match; a dict is accepted in place of the class. guided_decoding: vLLM's older name.
     structured_outputs: StructuredOutputsParams | dict | None = None
     guided_decoding: GuidedDecodingParams | dict | None = None
+    # vLLM's logits processors: {token id: bias} added to the logits (keys may be digit strings,
+    # as in the OpenAI API), and the only token ids a sample may take.
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    # Words a sample never produces (vLLM's field; nanoserve/sampling/bad_words.py).
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
-        """Check every field and normalise in place (stop str -> [str], top_k -1 -> 0); idempotent."""
+        """Check every field and normalise in place as vLLM does (stop str -> [str], top_k -1 -> 0,
+        seed -1 -> None, logprobs True -> 1, temperature in (0, 0.01) -> 0.01); idempotent."""
+        if self.seed == -1 and not isinstance(self.seed, bool):
+            self.seed = None
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is True:
+                setattr(self, name, 1)
         self._check_types()
         self._check_ranges()
+        self._check_token_biases()
+        if 0.0 < self.temperature < _MIN_TEMPERATURE:
+            logger.warning("temperature %s is less than %s, which may cause numerical errors nan or inf in "
+                           "tensors. We have maxed it out to %s.", self.temperature, _MIN_TEMPERATURE, _MIN_TEMPERATURE)
+            self.temperature = _MIN_TEMPERATURE
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -147,11 +169,44 @@ class SamplingParams:
         if self.prompt_logprobs_start is not None and self.prompt_logprobs is None:
             raise ValueError("prompt_logprobs_start needs prompt_logprobs (the number of top logprobs per position)")
         if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise bad("seed", "in [0, 2**63) or None")
+            raise bad("seed", "in [0, 2**63), -1 or None")
         if any(s == "" for s in ([self.stop] if isinstance(self.stop, str) else self.stop or [])):
             raise ValueError("stop strings must be non-empty")
         if any(t < 0 for t in self.stop_token_ids or []):
             raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
+        if self.stop and not self.detokenize:  # without text there is nothing to match them against
+            raise ValueError("stop strings are only supported when detokenize is True. "
+                             "Set detokenize=True to use stop.")
+
+    def _check_token_biases(self) -> None:
+        """logit_bias keys become ints and values floats; allowed_token_ids a non-empty list of ints
+        (vLLM refuses an empty one). Whether the ids are in the vocabulary is checked with the model."""
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise TypeError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
+            bias = {}
+            for key, value in self.logit_bias.items():
+                token = key if _is_int(key) else int(key) if isinstance(key, str) and key.strip().isdigit() else None
+                if token is None:
+                    raise ValueError(f"logit_bias keys must be token ids (ints or digit strings), got {key!r}")
+                if not _is_number(value) or not math.isfinite(value):
+                    raise ValueError(f"logit_bias values must be finite numbers, got {value!r} for token {key!r}")
+                bias[token] = float(value)
+            self.logit_bias = bias
+        ids = self.allowed_token_ids
+        if ids is not None:
+            if not isinstance(ids, (list, tuple)) or not all(_is_int(t) for t in ids):
+                raise TypeError(f"allowed_token_ids must be a list of int, got {ids!r}")
+            if not ids:
+                raise ValueError("allowed_token_ids must not be empty (None allows every token)")
+            self.allowed_token_ids = list(ids)
+        words = self.bad_words
+        if words is not None:
+            if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) for w in words):
+                raise TypeError(f"bad_words must be a list of str, got {words!r}")
+            if any(not w for w in words):
+                raise ValueError(f"bad_words cannot contain an empty string. Got bad_words={list(words)}")
+            self.bad_words = list(dict.fromkeys(words))
 
     def _check_structured_outputs(self) -> None:
         """Dicts become the classes; the constraint is checked (compiling waits for the tokenizer,

@@ -70,6 +70,7 @@ def configs(draw) -> dict:
 def valid_params(draw, llm: LLM) -> SamplingParams:
     max_tokens = None if draw(st.integers(0, 9)) == 0 else draw(st.integers(1, 10))  # None: up to max_model_len
     vocab = llm.engine.vocab_size
+    detokenize = draw(st.integers(0, 5)) > 0  # stop strings need text (vLLM refuses them without)
     return SamplingParams(
         n=draw(st.integers(1, min(3, llm.config.max_num_seqs))),
         temperature=draw(st.sampled_from([0.0, 0.7, 1.0, 1.5])),
@@ -80,7 +81,7 @@ def valid_params(draw, llm: LLM) -> SamplingParams:
         frequency_penalty=draw(st.sampled_from([0.0, 0.3])),
         repetition_penalty=draw(st.sampled_from([1.0, 1.2, 0.8])),
         seed=draw(st.one_of(st.none(), st.integers(0, 2**40))),
-        stop=draw(st.one_of(st.none(), STOP_STRINGS)),
+        stop=draw(st.one_of(st.none(), STOP_STRINGS)) if detokenize else None,
         # Up to 80 ids: a random model's output hits one often enough to stop some samples.
         stop_token_ids=draw(st.one_of(st.none(), st.lists(
             st.one_of(st.integers(0, vocab - 1), st.sampled_from(llm.engine.eos_token_ids)), max_size=80))),
@@ -90,7 +91,7 @@ def valid_params(draw, llm: LLM) -> SamplingParams:
         min_tokens=draw(st.integers(0, max_tokens if max_tokens is not None else 3)),
         logprobs=draw(st.one_of(st.none(), st.integers(0, 5))),
         skip_special_tokens=draw(st.booleans()),
-        detokenize=draw(st.integers(0, 5)) > 0,
+        detokenize=detokenize,
     )
 
 
@@ -100,7 +101,7 @@ def spoil(draw, params: SamplingParams, llm: LLM) -> None:
         ("temperature", -0.5), ("temperature", "hot"), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
         ("min_p", 2.0), ("presence_penalty", 3.0), ("repetition_penalty", 0.0), ("max_tokens", 0),
         ("max_tokens", 2.5), ("min_tokens", 99), ("min_tokens", -1), ("n", 0), ("n", llm.config.max_num_seqs + 1),
-        ("logprobs", -1), ("seed", -1), ("seed", 2**63), ("stop", [""]), ("stop", [3]),
+        ("logprobs", -1), ("seed", -2), ("seed", 2**63), ("stop", [""]), ("stop", [3]),
         ("stop_token_ids", [llm.engine.vocab_size]), ("stop_token_ids", [-1]), ("ignore_eos", 1),
     ]))
     if field == "min_tokens" and params.max_tokens is None:
@@ -192,9 +193,9 @@ def check_completion(llm: LLM, case: Case, prompt_len: int, c) -> None:
         assert c.finish_reason == "stop", c.finish_reason
         assert len(out) > p.min_tokens
         if c.stop_reason is None:
-            assert out[-1] in eos and not p.ignore_eos
-        elif isinstance(c.stop_reason, int):
-            assert c.stop_reason == out[-1] and c.stop_reason in p.stop_token_ids
+            assert out[-1] == llm.tokenizer.eos_token_id and not p.ignore_eos
+        elif isinstance(c.stop_reason, int):  # a stop id, or (as vLLM) an EOS id other than the tokenizer's
+            assert c.stop_reason == out[-1] and (c.stop_reason in p.stop_token_ids or c.stop_reason in eos)
         else:
             assert c.stop_reason in p.stop and p.detokenize
             assert c.text.endswith(c.stop_reason) or not p.include_stop_str_in_output

@@ -178,7 +178,8 @@ def test_run_batch_echo_and_prompt_logprobs_as_openai_and_vllm(tiny_model):
     request = builder.build({"method": "POST", "url": "/v1/completions", "body": body})
     assert request.params.prompt_logprobs == 2
     [(_, out)] = stream_requests(llm.engine, [(0, request)], 1)
-    choice = result_record("c", "/v1/completions", out, "m", tok, echo=True)["response"]["body"]["choices"][0]
+    record = result_record("c", "/v1/completions", out, "m", tok, echo=True, num_logprobs=2)
+    choice = record["response"]["body"]["choices"][0]
     sample = out.outputs[0]
     texts = [tok.decode([t]) for t in prompt + sample.token_ids]
     lp = choice["logprobs"]
@@ -192,7 +193,7 @@ def test_run_batch_echo_and_prompt_logprobs_as_openai_and_vllm(tiny_model):
     body = {"prompt": prompt, "prompt_logprobs": 1, "max_tokens": 1, "temperature": 0}
     [(_, out)] = stream_requests(llm.engine, [(0, builder.build({"method": "POST", "url": "/v1/completions",
                                                                   "body": body}))], 1)
-    choice = result_record("c", "/v1/completions", out, "m", tok)["response"]["body"]["choices"][0]
+    choice = result_record("c", "/v1/completions", out, "m", tok, num_logprobs=None)["response"]["body"]["choices"][0]
     assert choice["prompt_logprobs"][0] is None
     assert choice["prompt_logprobs"][1][str(prompt[1])]["logprob"] == out.prompt_logprobs[1][prompt[1]].logprob
     with pytest.raises(ValueError, match="`prompt_logprobs` must be an integer >= 0"):

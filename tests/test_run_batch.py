@@ -241,9 +241,13 @@ def test_body_fields_map_to_sampling_params_as_vllm(builder):
         {"method": "POST", "url": "/v1/chat/completions", "body": chat}).prompt_token_ids)
     p = builder.build({"method": "POST", "url": "/v1/completions", "body": {"prompt": "a", "logprobs": 2}}).params
     assert (p.max_tokens, p.logprobs) == (16, 2)
+    # vLLM's server: logit_bias keys are token ids as strings, values clamped to [-100, 100]
+    p = builder.build({"method": "POST", "url": "/v1/completions", "body": {
+        "prompt": "a", "logit_bias": {"5": 1, "7": -300}, "allowed_token_ids": [5, 7, 9], "bad_words": ["x"]}}).params
+    assert (p.logit_bias, p.allowed_token_ids, p.bad_words) == ({5: 1.0, 7: -100.0}, [5, 7, 9], ["x"])
     for body, match in [({**chat, "top_logprobs": 2}, "`logprobs` must be set to true"),
                         ({**chat, "stream": True}, "`stream` is not supported"),
-                        ({**chat, "logit_bias": {"5": 1}}, "`logit_bias` is not supported"),
+                        ({**chat, "logit_bias": {"x": 1}}, "logit_bias keys must be token ids"),
                         ({**chat, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "text parts"),
                         ({"prompt": ["a", 5]}, r"`prompt\[1\]` must be a string"),
                         ({**chat, "logprobs": True, "top_logprobs": ""}, "`top_logprobs` must be an integer"),
@@ -253,16 +257,17 @@ def test_body_fields_map_to_sampling_params_as_vllm(builder):
             builder.build({"method": "POST", "url": url, "body": body})
 
 
+@pytest.mark.parametrize("temperature", [0, 2.0])
 @pytest.mark.parametrize("url", ["/v1/chat/completions", "/v1/completions"])
-def test_response_logprobs_are_the_engines(builder, url):
+def test_response_logprobs_are_the_engines(builder, url, temperature):
     from nanoserve.entrypoints.openai_response import result_record
     from nanoserve.engine.request_stream import stream_requests
 
-    body = {"temperature": 0, "max_tokens": 4, "ignore_eos": True}
+    body = {"temperature": temperature, "seed": 4, "max_tokens": 4, "ignore_eos": True}
     body.update({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2}
                 if "chat" in url else {"prompt": "hello", "logprobs": 2})
     [(_, out)] = stream_requests(builder.llm.engine, [(0, builder.build({"method": "POST", "url": url, "body": body}))], 1)
-    choice = result_record("c", url, out, "m", builder.llm.tokenizer)["response"]["body"]["choices"][0]
+    choice = result_record("c", url, out, "m", builder.llm.tokenizer, num_logprobs=2)["response"]["body"]["choices"][0]
     sample = out.outputs[0]
     expected = [step[t].logprob for t, step in zip(sample.token_ids, sample.logprobs, strict=True)]
     assert len(expected) == 4  # max_tokens, ignore_eos
@@ -274,7 +279,12 @@ def test_response_logprobs_are_the_engines(builder, url):
         assert choice["logprobs"]["token_logprobs"] == expected
         assert choice["logprobs"]["tokens"] == [builder.llm.tokenizer.decode([t]) for t in sample.token_ids]
         assert choice["text"] == sample.text
-        assert all(2 <= len(top) <= 3 for top in choice["logprobs"]["top_logprobs"])
+        # the sampled token first, then the top 2, keyed by text (the tiny vocabulary has tokens of one text)
+        assert all(1 <= len(top) <= 3 for top in choice["logprobs"]["top_logprobs"])
+    if "chat" in url:  # the top 2 only, by rank; a sampled token outside them (vocab rank > 2) is not listed
+        for step, got in zip(sample.logprobs, choice["logprobs"]["content"], strict=True):
+            want = [lp.logprob for _, lp in sorted(step.items(), key=lambda e: e[1].rank)[:2]]
+            assert [e["logprob"] for e in got["top_logprobs"]] == want
 
 
 def test_a_one_prompt_list_is_that_prompt(builder):

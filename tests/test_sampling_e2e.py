@@ -3,6 +3,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from helpers import assert_no_leak, make_llm, random_prompts
 from nanoserve import SamplingParams
@@ -129,6 +130,23 @@ def test_stop_token_ids(llm):
     assert o.finish_reason == "stop" and o.stop_reason == stop_id
 
 
+
+def test_stop_token_text_only_with_include_stop_str_in_output(llm):
+    """vLLM: the text of the token that stopped a sample is left out unless include_stop_str_in_output."""
+    prompt = random_prompts(1, 8, 8, seed=8)[0]
+    full = _greedy_with_text(llm, prompt).token_ids
+    cut = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in range(1, len(full) + 1)]
+    # texts[i]: the text of i + 1 tokens
+    texts = [o.outputs[0].text for o in llm.generate([prompt] * len(cut), cut, use_tqdm=False)]
+    # a token that first appears at i and adds text of its own there
+    i = next(i for i in range(1, len(full)) if full.index(full[i]) == i and texts[i] != texts[i - 1])
+    for include, want in ((False, texts[i - 1]), (True, texts[i])):
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=[full[i]],
+                                include_stop_str_in_output=include)
+        o = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        assert (o.token_ids, o.text, o.finish_reason, o.stop_reason) == (full[: i + 1], want, "stop", full[i])
+
+
 def test_min_tokens_suppresses_stop_tokens(llm):
     prompt = random_prompts(1, 8, 8, seed=8)[0]
     stop_id = _greedy_with_text(llm, prompt).token_ids[1]
@@ -171,7 +189,8 @@ def test_eos_stops_unless_ignored(eos_model):
     eos = full[4]
     o = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0]
     assert o.token_ids == full[: full.index(eos) + 1]
-    assert o.finish_reason == "stop" and o.stop_reason is None
+    # vLLM: an EOS id of generation_config.json other than the tokenizer's acts as a stop token id
+    assert eos != llm.tokenizer.eos_token_id and o.finish_reason == "stop" and o.stop_reason == eos
     assert o.text == llm.tokenizer.decode(o.token_ids[:-1], skip_special_tokens=True)  # EOS not in text
     o = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)[0]
     assert o.outputs[0].token_ids == full and o.outputs[0].finish_reason == "length"
@@ -191,10 +210,36 @@ def test_logprobs_match_hf(tiny_model, hf, llm):
         for step, (token, entry) in enumerate(zip(o.token_ids, o.logprobs, strict=True)):
             assert entry[token].logprob == pytest.approx(ref[step, token].item(), abs=1e-4)
             top = ref[step].topk(3)
-            ranked = sorted((lp.rank, t) for t, lp in entry.items() if lp.rank is not None)
+            ranked = sorted((lp.rank, t) for t, lp in entry.items() if lp.rank <= 3)
             assert [t for _, t in ranked] == top.indices.tolist()
             total += ref[step, token].item()
         assert o.cumulative_logprob == pytest.approx(total, abs=1e-3)
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_sampled_token_comes_first_with_its_vocab_rank(tiny_model, hf, llm, k):
+    """vLLM's sample logprobs: the sampled token first with its rank in the vocabulary (how many
+    tokens score at least as high: vLLM's batched_count_greater_than), then the top k, ranks 1..k."""
+    prompts = random_prompts(3, 5, 15, seed=12)
+    params = SamplingParams(temperature=1.5, seed=5, max_tokens=12, ignore_eos=True, logprobs=k)
+    outsiders = 0
+    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False), strict=True):
+        o = out.outputs[0]
+        ref = hf.logprobs(tiny_model, prompt, o.token_ids)  # [num_out, vocab]
+        for step, (token, entry) in enumerate(zip(o.token_ids, o.logprobs, strict=True)):
+            row, rank = ref[step], entry[token].rank
+            assert list(entry)[0] == token
+            # HF values tied within 1e-4 may order either way
+            lo, hi = int((row > row[token] + 1e-4).sum()) + 1, int((row >= row[token] - 1e-4).sum())
+            assert lo <= rank <= hi
+            top = {t: lp.rank for t, lp in entry.items() if t != token or rank <= k}
+            assert sorted(top.values()) == list(range(1, k + 1))
+            if rank > k:
+                outsiders += 1
+                assert len(entry) == k + 1
+            else:
+                assert len(entry) == k and top[token] == rank
+    assert outsiders > 0  # the case this test is about: a sampled token outside the top k
 
 
 def test_default_params_come_from_generation_config(tiny_model, tmp_path):
@@ -221,6 +266,77 @@ def test_chat_applies_template(llm):
 def test_metrics_are_ordered(llm):
     (out,) = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     m = out.metrics
-    assert m.arrival_time <= m.first_token_time <= m.finished_time
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
     assert m.time_to_first_token >= 0 and m.time_per_output_token >= 0
     assert m.num_generated_tokens == 6
+
+
+def test_logit_bias_and_allowed_token_ids_as_vllm(tiny_model, hf, llm):
+    """vLLM's logits processors: logit_bias is added to the logits, allowed_token_ids masks every
+    other token; both act after the (raw) logprobs are taken, so logprobs stay the model's."""
+    prompt = random_prompts(1, 8, 8, seed=13)[0]
+    vocab = llm.engine.vocab_size
+    allowed = list(range(100, 140))
+    plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    first = hf.logprobs(tiny_model, prompt, plain[0].outputs[0].token_ids)[0].topk(2)
+    runner_up = int(first.indices[1])  # biased past the argmax: the first token changes
+    bias = {runner_up: float(first.values[0] - first.values[1]) + 0.5, int(first.indices[0]) - 1: -40.0, 9: 1.5}
+    for params in (SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logit_bias=bias, logprobs=0),
+                   SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, allowed_token_ids=allowed,
+                                  logit_bias={str(allowed[-1]): 2.0}, logprobs=0)):
+        o = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        ref = hf.logprobs(tiny_model, prompt, o.token_ids)  # [T, V]: the model's, unbiased
+        shift = torch.zeros(vocab)
+        for t, b in params.logit_bias.items():
+            shift[t] = b
+        if params.allowed_token_ids is not None:
+            shift[[t for t in range(vocab) if t not in allowed]] = float("-inf")
+        for step, token in enumerate(o.token_ids):
+            assert token == int((ref[step] + shift).argmax())
+            assert o.logprobs[step][token].logprob == pytest.approx(ref[step, token].item(), abs=1e-4)
+        if params.allowed_token_ids is None:
+            assert o.token_ids[0] == runner_up
+        else:
+            assert plain[0].outputs[0].token_ids[0] not in allowed  # the mask changed the first token
+    sampled = llm.generate([prompt], SamplingParams(n=3, seed=1, max_tokens=12, ignore_eos=True, temperature=1.5,
+                                                    allowed_token_ids=allowed), use_tqdm=False)[0].outputs
+    assert all(t in allowed for c in sampled for t in c.token_ids)
+    for bad, match in ((dict(allowed_token_ids=[]), "allowed_token_ids must not be empty"),
+                       (dict(logit_bias={"x": 1.0}), "logit_bias keys must be token ids"),
+                       (dict(logit_bias={1: float("nan")}), "logit_bias values must be finite")):
+        with pytest.raises((ValueError, TypeError), match=match):
+            SamplingParams(**bad)
+    for bad in (dict(allowed_token_ids=[vocab]), dict(logit_bias={vocab: 1.0})):
+        with pytest.raises(ValueError, match=f"{next(iter(bad))} token ids must be in"):
+            llm.generate([prompt], SamplingParams(max_tokens=2, **bad), use_tqdm=False)
+    assert_no_leak(llm)
+
+
+def test_bad_words_never_appear(llm):
+    """vLLM's bad_words: a one-token word is banned everywhere; a longer word only at the step that
+    would complete it (its last token after its other tokens)."""
+    prompt = random_prompts(1, 8, 8, seed=14)[0]
+    greedy = dict(temperature=0, max_tokens=12, ignore_eos=True)
+    full = llm.generate([prompt], SamplingParams(**greedy), use_tqdm=False)[0].outputs[0].token_ids
+    tok = llm.get_tokenizer()
+    # a word of one token (as written and mid-text): the greedy output loses it and goes on without it
+    def one_token_word(t: int) -> bool:
+        word = tok.decode([t]).strip()
+        return bool(word) and len(tok.encode(word, add_special_tokens=False)) == 1
+
+    i, word = next((i, tok.decode([t]).strip()) for i, t in enumerate(full) if one_token_word(t))
+    banned = {tok.encode(w, add_special_tokens=False)[0] for w in (word, " " + word)
+              if len(tok.encode(w, add_special_tokens=False)) == 1}
+    o = llm.generate([prompt], SamplingParams(bad_words=[word], **greedy), use_tqdm=False)[0].outputs[0]
+    assert o.token_ids[:i] == full[:i] and not banned & set(o.token_ids)
+    # a two-token word: its first token still appears, only the completion is banned
+    j = next(j for j in range(len(full) - 1)
+             if tok.encode(tok.decode(full[j : j + 2]).lstrip(), add_special_tokens=False) == full[j : j + 2])
+    pair = tok.decode(full[j : j + 2])
+    o = llm.generate([prompt], SamplingParams(bad_words=[pair], **greedy), use_tqdm=False)[0].outputs[0]
+    assert o.token_ids[: j + 1] == full[: j + 1] and o.token_ids[j + 1] != full[j + 1]
+    with pytest.raises(ValueError, match="bad_words cannot contain an empty string"):
+        SamplingParams(bad_words=[""])
+    with pytest.raises(TypeError, match="bad_words must be a list of str"):
+        SamplingParams(bad_words="word")
+    assert_no_leak(llm)

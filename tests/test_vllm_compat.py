@@ -391,3 +391,62 @@ def test_output_repr_is_short():
     assert "(3000 ids)" in r and "(5000 ids)" in r and "(5000 chars)" in r and "finish_reason='length'" in r
     small = CompletionOutput(index=0, text="hi", token_ids=[1, 2])
     assert "text='hi'" in repr(small) and "token_ids=[1, 2]" in repr(small)
+
+
+def test_sampling_params_normalised_as_vllm(llm, caplog):
+    """Values vLLM takes and rewrites: seed -1 (no seed), logprobs / prompt_logprobs True (1), a
+    temperature in (0, 0.01) raised to 0.01 with a warning."""
+    params = SamplingParams(seed=-1, logprobs=True, prompt_logprobs=True)
+    assert (params.seed, params.logprobs, params.prompt_logprobs) == (None, 1, 1)
+    with caplog.at_level(logging.WARNING, logger="nanoserve.sampling_params"):
+        assert SamplingParams(temperature=1e-3).temperature == 0.01
+    assert "maxed it out to 0.01" in caplog.text
+    assert SamplingParams(temperature=0).temperature == 0.0  # greedy stays greedy
+    params = SamplingParams()
+    params.temperature, params.seed = 1e-4, -1  # set after construction: normalised when the request is added
+    llm.generate(PROMPTS[:1], params, use_tqdm=False)
+    assert (params.temperature, params.seed) == (0.01, None)
+    for bad, kind in ((dict(seed=-2), ValueError), (dict(logprobs=False), TypeError)):
+        with pytest.raises(kind):
+            SamplingParams(**bad)
+
+
+def test_stop_strings_need_detokenize(llm):
+    """vLLM refuses stop strings with detokenize=False (there is no text to match); they were ignored."""
+    with pytest.raises(ValueError, match="stop strings are only supported when detokenize is True"):
+        SamplingParams(stop="x", detokenize=False)
+    params = SamplingParams(detokenize=False)
+    params.stop = ["x"]
+    with pytest.raises(ValueError, match="detokenize"):
+        llm.generate(PROMPTS, params, use_tqdm=False)
+    assert llm.engine.is_finished() and not llm.engine.requests
+    SamplingParams(stop_token_ids=[3], detokenize=False)  # token ids need no text
+
+
+@pytest.mark.parametrize("detokenize", [True, False])
+def test_sample_logprobs_decoded_token(llm, detokenize):
+    """vLLM's Logprob.decoded_token for sample logprobs: each token decoded alone; None without text."""
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=4, logprobs=2, detokenize=detokenize)
+    sample = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
+    tok = llm.get_tokenizer()
+    for step in sample.logprobs:
+        assert len(step) >= 2
+        for t, lp in step.items():
+            assert lp.decoded_token == (tok.decode([t]) if detokenize else None)
+
+
+def test_output_fields_vllm_scripts_read(llm):
+    """Every RequestOutput / CompletionOutput attribute of vLLM's, those of absent features None."""
+    params = SamplingParams(n=2, seed=0, max_tokens=3, logprobs=1, prompt_logprobs=1)
+    (out,) = llm.generate({"prompt": PROMPTS[0]}, params, use_tqdm=False)
+    assert (out.prompt, out.finished, out.lora_request, out.encoder_prompt, out.encoder_prompt_token_ids,
+            out.kv_transfer_params) == (PROMPTS[0], True, None, None, None, None)
+    assert out.prompt_token_ids == llm.get_tokenizer().encode(PROMPTS[0])
+    assert len(out.prompt_logprobs) == len(out.prompt_token_ids) and out.num_cached_tokens >= 0
+    m = out.metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+    assert [c.index for c in out.outputs] == [0, 1]
+    for c in out.outputs:
+        assert len(c.token_ids) == len(c.logprobs) == 3 and c.finished() and c.finish_reason == "length"
+        assert c.cumulative_logprob == pytest.approx(sum(step[t].logprob for t, step in zip(c.token_ids, c.logprobs)))
+        assert (c.stop_reason, c.lora_request, c.kv_transfer_params) == (None, None, None)

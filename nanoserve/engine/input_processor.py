@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 from nanoserve.config import Config
 from nanoserve.inputs import parse_prompt
 from nanoserve.sampling import SamplingSpec
+from nanoserve.sampling.bad_words import bad_words_token_ids
 from nanoserve.engine.pooling_requests import PoolingSpec, validate_pooling_request
 from nanoserve.pooling_params import PoolingParams
 from nanoserve.sampling_params import SamplingParams
@@ -107,9 +108,11 @@ class InputProcessor:
             raise ValueError(f"prompt token ids must be ints in [0, {vocab}); got {bad[:5]}")
         if len(prompt_token_ids) > cfg.max_model_len:
             raise ValueError(f"prompt has {len(prompt_token_ids)} tokens, longer than max_model_len={cfg.max_model_len}")
-        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"stop_token_ids must be in [0, {vocab}) (the model's vocab_size), got {bad}")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ()),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{name} token ids must be in [0, {vocab}) (the model's vocab_size), got {bad[:5]}")
         if params.logprobs is not None and params.logprobs > cfg.max_logprobs:
             raise ValueError(
                 f"logprobs={params.logprobs} exceeds max_logprobs={cfg.max_logprobs}; "
@@ -128,4 +131,5 @@ class InputProcessor:
                 f"which must stay below 2**63), got {params.seed}"
             )
         self.structured.check(params)
-        return SamplingSpec.from_params(params, vocab, self.eos_token_ids)
+        words = bad_words_token_ids(params.bad_words, self.tokenizer, vocab) if params.bad_words else ()
+        return SamplingSpec.from_params(params, vocab, self.eos_token_ids, words)

@@ -68,6 +68,9 @@ class LLMEngine:
             lowercase_inputs(tokenizer)
         self.generation_config = read_generation_config(config.model)
         self.eos_token_ids = eos_token_ids(tokenizer, self.generation_config)
+        # vLLM's EOS is the tokenizer's; generation_config's other EOS ids act as stop_token_ids
+        # (a sample they end reports them as its stop_reason).
+        self.tokenizer_eos_token_id: int | None = tokenizer.eos_token_id
         self.vocab_size = config.hf_config["vocab_size"]
         self.structured = StructuredOutputManager(
             lambda: self.tokenizer, self.vocab_size, self.eos_token_ids, config.structured_outputs_jump_forward
@@ -175,6 +178,11 @@ class LLMEngine:
     def step(self) -> StepStats:
         try:
             batch = self.scheduler.schedule()
+            scheduled_at = time.perf_counter()
+            for seq in batch.seqs:
+                metrics = self.requests[seq.request_id].metrics
+                if metrics.first_scheduled_time is None:
+                    metrics.first_scheduled_time = scheduled_at
             entries = [
                 StepEntry(seq.request_id, seq.num_computed_tokens, n, samples)
                 for seq, n, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples)
@@ -220,22 +228,28 @@ class LLMEngine:
             return
         token = seq.token_ids[-1]
         seq.cumulative_logprob += out.logprobs[i]
+        # vLLM's layout: the sampled token first with its rank in the vocabulary, then the top k
+        # with ranks 1..k (a sampled token among them keeps its place first and takes its top-k rank).
+        entry = {token: Logprob(out.logprobs[i], out.ranks[i])}
         top = list(out.top_logprobs[i].items())[: seq.params.logprobs]
-        entry = {t: Logprob(lp, rank + 1) for rank, (t, lp) in enumerate(top)}
-        if token not in entry:
-            entry[token] = Logprob(out.logprobs[i], None)
+        for rank, (t, lp) in enumerate(top, start=1):
+            entry[t] = Logprob(lp, rank)
         seq.logprobs.append(entry)
 
     def _check_stop(self, seq: Sequence, request: Request) -> bool:
         params, token = seq.params, seq.token_ids[-1]
         past_min = seq.num_output_tokens > params.min_tokens  # EOS/stop ids were masked until then
-        if past_min and not params.ignore_eos and token in self.eos_token_ids:
-            seq.finish_reason = "stop"
-            return True
-        if past_min and token in params.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", token
-            return True
         detok = request.detokenizers[seq.sample_index]
+        stop_token = past_min and ((not params.ignore_eos and token in self.eos_token_ids)
+                                   or token in params.stop_token_ids)
+        if stop_token:
+            seq.finish_reason = "stop"
+            seq.stop_reason = None if token == self.tokenizer_eos_token_id and not params.ignore_eos else token
+            # vLLM's detokenizer renders the token that stopped the sample only with
+            # include_stop_str_in_output (and then a stop string it completes is the stop_reason).
+            if detok is not None and params.include_stop_str_in_output:
+                seq.stop_reason = detok.update([token]) or seq.stop_reason
+            return True
         if detok is not None:
             stop = detok.update([token])
             if stop is not None:
@@ -273,7 +287,7 @@ class LLMEngine:
                     text=detok.output_text if detok is not None else "",
                     token_ids=seq.output_token_ids,
                     cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
-                    logprobs=seq.logprobs if wants_logprobs else None,
+                    logprobs=self._decoded(seq.logprobs, seq.params) if wants_logprobs else None,
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
                 )
@@ -289,6 +303,14 @@ class LLMEngine:
             metrics=request.metrics,
             prompt_logprobs=self._prompt_logprobs(request),
         )
+
+    def _decoded(self, logprobs: list[dict[int, Logprob]], params: SamplingParams) -> list[dict[int, Logprob]]:
+        """vLLM's decoded_token of sample logprobs: each token decoded alone (None when detokenize=False)."""
+        if params.detokenize:
+            for step in logprobs:
+                for t, lp in step.items():
+                    lp.decoded_token = self.tokenizer.decode([t])
+        return logprobs
 
     def _prompt_logprobs(self, request: Request) -> PromptLogprobs | None:
         if request.prompt_logprobs is None:

@@ -42,6 +42,7 @@ class StepOutput:
     token_ids: list[int]  # one per sampling entry of the batch, in batch order
     logprobs: list[float] | None
     top_logprobs: list[dict[int, float]] | None
+    ranks: list[int] | None = None  # the sampled token's rank in the vocabulary; with logprobs
     prompt_logprobs: list[PromptLogprobsChunk] = field(default_factory=list)  # sequences scoring their prompt
     pooled: torch.Tensor | None = None  # runner="pooling": [num_completing, hidden] float32, in batch order
 
@@ -260,7 +261,7 @@ class ModelRunner:
             dict(zip(ids, lps))
             for ids, lps in zip(out.topk_token_ids.tolist(), out.topk_logprobs.tolist())
         ]
-        return StepOutput(token_ids, out.logprobs.tolist(), top)
+        return StepOutput(token_ids, out.logprobs.tolist(), top, out.ranks.tolist())
 
     def run(self, batch: ScheduledBatch) -> StepOutput:
         if self.pooler is not None:

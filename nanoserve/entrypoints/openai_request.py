@@ -32,12 +32,9 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "suffix": lambda v: v == "",
     "best_of": lambda v: v == 1,
     "use_beam_search": lambda v: v is False,
-    "logit_bias": lambda v: not v,
     "tools": lambda v: not v,
     "tool_choice": lambda v: v in ("none", "auto"),
     "structural_tag": lambda v: False,
-    "allowed_token_ids": lambda v: False,
-    "bad_words": lambda v: not v,
     "logits_processors": lambda v: not v,
     "truncate_prompt_tokens": lambda v: False,
     "prompt_embeds": lambda v: False,
@@ -50,8 +47,10 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
 # SamplingParams fields copied as they are when the body sets them (vLLM's names).
 _PLAIN_FIELDS = (
     "n", "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
-    "min_tokens", "skip_special_tokens", "include_stop_str_in_output",
+    "min_tokens", "skip_special_tokens", "include_stop_str_in_output", "allowed_token_ids", "bad_words",
 )
+# vLLM's server clamps each logit_bias value into this range (SamplingParams.from_optional).
+_LOGIT_BIAS_LIMIT = 100.0
 # Fields whose default, when the body leaves them out, comes from generation_config.json.
 _DEFAULTED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -186,6 +185,11 @@ class RequestBuilder:
         kwargs["prompt_logprobs"] = self._prompt_logprobs(body, chat, kwargs["logprobs"])
         # response_format / structured_outputs / guided_* (nanoserve/structured/openai.py)
         kwargs["structured_outputs"] = structured_outputs_from_body(body)
+        if isinstance(bias := body.get("logit_bias"), dict):  # other types: SamplingParams names the field
+            bias = {k: max(-_LOGIT_BIAS_LIMIT, min(_LOGIT_BIAS_LIMIT, v)) if isinstance(v, (int, float)) else v
+                    for k, v in bias.items()}
+        if bias is not None:
+            kwargs["logit_bias"] = bias
         return SamplingParams(**kwargs)
 
     @staticmethod

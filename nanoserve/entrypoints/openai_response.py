@@ -26,15 +26,17 @@ def _uid() -> str:
 
 
 def result_record(custom_id: str, url: str, out: RequestOutput | list[RequestOutput], model: str, tokenizer,
-                  echo: bool = False, prompt_only: bool = False) -> dict:
+                  echo: bool = False, prompt_only: bool = False, *, num_logprobs: int | None) -> dict:
     """A 200 record; `out` is a list for a completions line with several prompts (chat takes one).
-    `prompt_only` (completions `echo` with `max_tokens` 0): each choice is the prompt, as vLLM's."""
+    `prompt_only` (completions `echo` with `max_tokens` 0): each choice is the prompt, as vLLM's.
+    `num_logprobs`: the request's k (SamplingParams.logprobs), the length of each top_logprobs list."""
     outs = out if isinstance(out, list) else [out]
+    k = num_logprobs or 0
     if url == CHAT_URL:
         (out,) = outs
-        body = _chat_body(out, model, tokenizer)
+        body = _chat_body(out, model, tokenizer, k)
     else:
-        body = _completion_body(outs, model, tokenizer, echo, prompt_only)
+        body = _completion_body(outs, model, tokenizer, k, echo, prompt_only)
     return {
         "id": f"nanoserve-{_uid()}",
         "custom_id": custom_id,
@@ -81,7 +83,7 @@ def _usage(*outs: RequestOutput) -> dict:
     }
 
 
-def _chat_body(out: RequestOutput, model: str, tokenizer) -> dict:
+def _chat_body(out: RequestOutput, model: str, tokenizer, k: int) -> dict:
     choices = [
         {
             "index": c.index,
@@ -89,7 +91,7 @@ def _chat_body(out: RequestOutput, model: str, tokenizer) -> dict:
                 "role": "assistant", "content": c.text, "refusal": None, "annotations": None, "audio": None,
                 "function_call": None, "tool_calls": [], "reasoning_content": None,
             },
-            "logprobs": _chat_logprobs(c, tokenizer),
+            "logprobs": _chat_logprobs(c, tokenizer, k),
             "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
         }
@@ -102,7 +104,7 @@ def _chat_body(out: RequestOutput, model: str, tokenizer) -> dict:
     }
 
 
-def _completion_body(outs: list[RequestOutput], model: str, tokenizer, echo: bool = False,
+def _completion_body(outs: list[RequestOutput], model: str, tokenizer, k: int, echo: bool = False,
                      prompt_only: bool = False) -> dict:
     """vLLM's CompletionResponse: prompt i's n choices have indices i * n ... i * n + n - 1."""
     choices = []
@@ -112,8 +114,8 @@ def _completion_body(outs: list[RequestOutput], model: str, tokenizer, echo: boo
             {
                 "index": i * len(out.outputs) + c.index,
                 "text": prompt_text + ("" if prompt_only else c.text),
-                "logprobs": (_echo_logprobs(out, c, tokenizer, not prompt_only) if echo
-                             else _completion_logprobs(c, tokenizer)),
+                "logprobs": (_echo_logprobs(out, c, tokenizer, k, not prompt_only) if echo
+                             else _completion_logprobs(c, tokenizer, k)),
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
                 "prompt_logprobs": _prompt_logprobs(out),
@@ -131,12 +133,14 @@ def _token_text(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id])
 
 
-def _top(step: dict[int, Logprob]) -> list[tuple[int, Logprob]]:
-    """The step's top-k entries by rank (the sampled token is listed too when outside them)."""
-    return sorted(((t, lp) for t, lp in step.items() if lp.rank is not None), key=lambda e: e[1].rank)
+def _top(step: dict[int, Logprob], k: int | None) -> list[tuple[int, Logprob]]:
+    """The step's top-k entries by rank. The step also holds the sampled (or prompt) token with its
+    rank in the vocabulary; outside the top k that rank is >= k + 1 (ties included: it counts every
+    token scoring at least as high), so `rank <= k` keeps exactly the top k. k None: every entry."""
+    return sorted(((t, lp) for t, lp in step.items() if k is None or lp.rank <= k), key=lambda e: e[1].rank)
 
 
-def _chat_logprobs(c: CompletionOutput, tokenizer) -> dict | None:
+def _chat_logprobs(c: CompletionOutput, tokenizer, k: int) -> dict | None:
     if c.logprobs is None:
         return None
 
@@ -147,12 +151,12 @@ def _chat_logprobs(c: CompletionOutput, tokenizer) -> dict | None:
     content = []
     for token_id, step in zip(c.token_ids, c.logprobs):
         item = entry(token_id, step[token_id].logprob)
-        item["top_logprobs"] = [entry(t, lp.logprob) for t, lp in _top(step)]
+        item["top_logprobs"] = [entry(t, lp.logprob) for t, lp in _top(step, k)]
         content.append(item)
     return {"content": content}
 
 
-def _completion_logprobs(c: CompletionOutput, tokenizer) -> dict | None:
+def _completion_logprobs(c: CompletionOutput, tokenizer, k: int) -> dict | None:
     if c.logprobs is None:
         return None
     result: dict[str, list] = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
@@ -163,7 +167,7 @@ def _completion_logprobs(c: CompletionOutput, tokenizer) -> dict | None:
         result["token_logprobs"].append(max(step[token_id].logprob, _MIN_LOGPROB))
         result["tokens"].append(text)
         top = {text: max(step[token_id].logprob, _MIN_LOGPROB)}  # vLLM lists the sampled token first
-        top.update({_token_text(tokenizer, t): max(lp.logprob, _MIN_LOGPROB) for t, lp in _top(step)})
+        top.update({_token_text(tokenizer, t): max(lp.logprob, _MIN_LOGPROB) for t, lp in _top(step, k)})
         result["top_logprobs"].append(top)
         offset += len(text)
     return result
@@ -182,10 +186,11 @@ def _prompt_logprobs(out: RequestOutput) -> list[dict | None] | None:
     ]
 
 
-def _echo_logprobs(out: RequestOutput, c: CompletionOutput, tokenizer, with_completion: bool = True) -> dict | None:
+def _echo_logprobs(out: RequestOutput, c: CompletionOutput, tokenizer, k: int,
+                   with_completion: bool = True) -> dict | None:
     """OpenAI completions `echo` + `logprobs`: the prompt's tokens first (token_logprobs and
     top_logprobs null for the first), then the completion's, text_offset running over both."""
-    completion = _completion_logprobs(c, tokenizer)
+    completion = _completion_logprobs(c, tokenizer, k)
     if completion is None or out.prompt_logprobs is None:
         return completion
     result: dict[str, list] = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
@@ -200,7 +205,8 @@ def _echo_logprobs(out: RequestOutput, c: CompletionOutput, tokenizer, with_comp
         else:
             result["token_logprobs"].append(max(step[token_id].logprob, _MIN_LOGPROB))
             top = {text: max(step[token_id].logprob, _MIN_LOGPROB)}
-            top.update({_token_text(tokenizer, t): max(lp.logprob, _MIN_LOGPROB) for t, lp in _top(step)})
+            # every entry: the prompt token (listed first already) and its top prompt_logprobs
+            top.update({_token_text(tokenizer, t): max(lp.logprob, _MIN_LOGPROB) for t, lp in _top(step, None)})
             result["top_logprobs"].append(top)
         offset += len(text)
     if not with_completion:

@@ -38,6 +38,7 @@ class LineKey(NamedTuple):
     url: str | None
     echo: bool = False  # completions: the prompt comes back before the completion (text and logprobs)
     prompt_only: bool = False  # completions echo with max_tokens 0: the prompt comes back alone
+    num_logprobs: int | None = None  # the request's k: the top_logprobs lists of the body hold k entries
     # An embeddings line with several inputs (a completions line with several prompts) runs as
     # several requests, answered in one record.
     part: int = 0
@@ -136,7 +137,7 @@ def _run(llm, input_file, output_file, model, done, total, max_inflight, progres
                         embeddings_record(key.custom_id, outs, model, key.encoding_format)
                         if key.encoding_format is not None
                         else result_record(key.custom_id, key.url, outs, model, llm.tokenizer, key.echo,
-                                           key.prompt_only)
+                                           key.prompt_only, num_logprobs=key.num_logprobs)
                     )
                 bar.update(1)
                 bar.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):.0f} gen tok/s", refresh=False)
@@ -179,7 +180,9 @@ def _requests(
         body = record.get("body")
         echo = isinstance(body, dict) and body.get("echo") is True
         prompt_only = echo and type(body.get("max_tokens")) is int and body["max_tokens"] == 0
-        key = LineKey(line, custom_id, record.get("url"), echo, prompt_only)
+        first = request.requests[0] if isinstance(request, (EmbeddingLine, CompletionLine)) else request
+        num_logprobs = getattr(first.params, "logprobs", None) if isinstance(first, EngineRequest) else None
+        key = LineKey(line, custom_id, record.get("url"), echo, prompt_only, num_logprobs)
         if isinstance(request, (EmbeddingLine, CompletionLine)):
             n = len(request.requests)
             fmt = request.encoding_format if isinstance(request, EmbeddingLine) else None

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from nanoserve.sampling.bad_words import banned_tokens
 from nanoserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -43,10 +44,15 @@ class SamplingSpec:
     logprobs: int | None  # top logprobs to return, at most vocab_size; None = none asked
     min_tokens: int  # the suppressed ids are masked while fewer tokens than this were generated
     suppressed_token_ids: tuple[int, ...]  # stop ids + EOS (unless ignore_eos); () if min_tokens == 0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits
+    allowed_token_ids: tuple[int, ...] | None = None  # every other token is masked; None = all allowed
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # bad_words.py: each one's last token is banned
 
     @classmethod
-    def from_params(cls, params: SamplingParams, vocab_size: int, eos_token_ids: list[int]) -> "SamplingSpec":
-        """The sampler's view of params that InputProcessor.validate accepted for this model."""
+    def from_params(cls, params: SamplingParams, vocab_size: int, eos_token_ids: list[int],
+                    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()) -> "SamplingSpec":
+        """The sampler's view of params that InputProcessor.validate accepted for this model
+        (bad_words come tokenized: bad_words.bad_words_token_ids)."""
         # top_k == 1 keeps only the max: exactly greedy, and cheaper (and exact under ties) that way.
         greedy = params.temperature < _MIN_TEMPERATURE or params.top_k == 1
         suppressed: tuple[int, ...] = ()
@@ -67,6 +73,9 @@ class SamplingSpec:
             logprobs=None if params.logprobs is None else min(params.logprobs, vocab_size),
             min_tokens=params.min_tokens,
             suppressed_token_ids=suppressed,
+            logit_bias=tuple((params.logit_bias or {}).items()),
+            allowed_token_ids=None if params.allowed_token_ids is None else tuple(params.allowed_token_ids),
+            bad_words_token_ids=bad_words_token_ids,
         )
 
     @property
@@ -117,6 +126,9 @@ class SamplingMetadata:
     # --- suppression and logprobs ---
     suppressed: torch.Tensor | None  # [2, N] int64 (row, token) pairs to set to -inf
     max_num_logprobs: int | None  # K; None when no row asked for logprobs
+    # --- logit_bias / allowed_token_ids: None when no row uses them ---
+    bias: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)  # [2, N] (row, token), [N]
+    disallowed: torch.Tensor | None = field(default=None, repr=False)  # [B, V] bool, True outside allowed_token_ids
     # --- structured outputs: [B, V] bool, True where a row's grammar forbids the token; None if no
     # row is constrained (built on the CPU from the constrained rows only, nanoserve/structured/bitmask.py)
     grammar_forbidden: torch.Tensor | None = field(default=None, repr=False)
@@ -169,6 +181,11 @@ class SamplingMetadata:
             for i, (s, step) in enumerate(zip(specs, steps)) if step < s.min_tokens
             for t in s.suppressed_token_ids
         ]
+        pairs += [
+            (i, t)
+            for i, (r, s) in enumerate(zip(rows, specs)) if s.bad_words_token_ids
+            for t in banned_tokens(s.bad_words_token_ids, r.token_ids[r.num_prompt_tokens :])
+        ]
         asked = [s.logprobs for s in specs if s.logprobs is not None]
         temperature = [s.temperature for s in specs]
         top_p = [s.top_p for s in specs]
@@ -199,7 +216,29 @@ class SamplingMetadata:
             suppressed=tensor(pairs, torch.int64).T.contiguous() if pairs else None,  # [2, N]
             max_num_logprobs=max(asked) if asked else None,
             grammar_forbidden=_grammar_forbidden(rows, V, device),
+            bias=_bias(specs, device),
+            disallowed=_disallowed(specs, V, device),
         )
+
+
+def _bias(specs: list[SamplingSpec], device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    entries = [(i, t, b) for i, s in enumerate(specs) for t, b in s.logit_bias]
+    if not entries:
+        return None
+    rows, tokens, values = zip(*entries)
+    index = torch.tensor([rows, tokens], dtype=torch.int64).to(device)
+    return index, torch.tensor(values, dtype=torch.float32).to(device)
+
+
+def _disallowed(specs: list[SamplingSpec], vocab_size: int, device: torch.device) -> torch.Tensor | None:
+    limited = [(i, s.allowed_token_ids) for i, s in enumerate(specs) if s.allowed_token_ids is not None]
+    if not limited:
+        return None
+    mask = torch.zeros(len(specs), vocab_size, dtype=torch.bool)
+    for i, ids in limited:
+        mask[i] = True
+        mask[i, list(ids)] = False
+    return mask.to(device)
 
 
 def _grammar_forbidden(rows: list[SamplingRow], vocab_size: int, device: torch.device) -> torch.Tensor | None:

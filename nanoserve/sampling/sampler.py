@@ -9,8 +9,11 @@ Order of operations (vLLM's):
   1b. logprobs (if any row asked): log_softmax of these logits, before anything below. vLLM
      masks the logits with the grammar before its sampler, so its "raw" logprobs of a
      constrained row are over the tokens the grammar allows.
-  2. suppressed tokens (EOS / stop ids while min_tokens is not reached) -> -inf, except in a row
-     where that would leave its grammar no token at all.
+  2. suppressed tokens (EOS / stop ids while min_tokens is not reached, the last token of a bad
+     word the output would complete) -> -inf, except in a row where that would leave its grammar
+     no token at all.
+  2b. allowed_token_ids: every other token -> -inf; logit_bias added (vLLM's logits processors,
+     after its raw logprobs, before penalties).
   3. penalties: repetition (over prompt + output), frequency and presence (over the output).
   4. greedy rows (temperature 0, or top_k 1, which keeps the same single token) take the argmax.
   5. the other rows: logits / temperature, then top_k, top_p, min_p, then a seeded draw
@@ -31,6 +34,7 @@ from nanoserve.sampling.rng import row_uniforms
 class SamplerOutput:
     token_ids: torch.Tensor  # [B] int64
     logprobs: torch.Tensor | None  # [B] float32, logprob of the sampled token; None if nobody asked
+    ranks: torch.Tensor | None  # [B] int64, the sampled token's rank in the vocabulary (1 = most likely)
     topk_token_ids: torch.Tensor | None  # [B, K] int64, K = max logprobs asked (may be 0)
     topk_logprobs: torch.Tensor | None  # [B, K] float32
 
@@ -49,10 +53,11 @@ class Sampler(torch.nn.Module):
                 f"logits must be [{meta.num_rows}, {meta.vocab_size}], got {list(logits.shape)}"
             )
         no_processing = (meta.suppressed is None and meta.grammar_forbidden is None and meta.repetition_penalty is None
-                         and meta.frequency_penalty is None and meta.presence_penalty is None)
+                         and meta.frequency_penalty is None and meta.presence_penalty is None
+                         and meta.bias is None and meta.disallowed is None)
         if meta.all_greedy and no_processing and meta.max_num_logprobs is None:
             # The common path: float32 conversion is exact and monotone, so skip it for argmax.
-            return SamplerOutput(logits.argmax(-1), None, None, None)
+            return SamplerOutput(logits.argmax(-1), None, None, None, None)
         raw = logits.float()  # [B, V]; may be the caller's tensor, so never written in place
 
         logits = raw
@@ -66,17 +71,25 @@ class Sampler(torch.nn.Module):
                 # sample then ends with the grammar, before min_tokens) rather than drawing from nothing.
                 suppressed = torch.where(torch.isneginf(suppressed).all(-1, keepdim=True), logits, suppressed)
             logits = suppressed
+        if meta.disallowed is not None:
+            logits = logits.masked_fill(meta.disallowed, float("-inf"))
+        if meta.bias is not None:
+            index, values = meta.bias
+            logits = logits.index_put((index[0], index[1]), values, accumulate=True)
         logits = apply_penalties(logits, meta)
         token_ids = self._sample(logits, meta)
 
-        logprobs = topk_ids = topk_logprobs = None
+        logprobs = ranks = topk_ids = topk_logprobs = None
         if meta.max_num_logprobs is not None:
-            # log_softmax(scored) at a few positions only: scored - logsumexp, no [B, V] result.
             lse = scored.logsumexp(-1, keepdim=True)  # [B, 1]
-            logprobs = (scored.gather(1, token_ids[:, None]) - lse).squeeze(1)
-            top_vals, topk_ids = scored.topk(meta.max_num_logprobs, dim=-1)  # [B, K]
-            topk_logprobs = top_vals - lse
-        return SamplerOutput(token_ids, logprobs, topk_ids, topk_logprobs)
+            all_logprobs = scored - lse  # log_softmax(scored)
+            logprobs = all_logprobs.gather(1, token_ids[:, None])  # [B, 1]
+            # vLLM's rank (batched_count_greater_than): how many tokens score >= the sampled one,
+            # counted over logprobs (not logits) so that ties after rounding count as vLLM's do.
+            ranks = (all_logprobs >= logprobs).sum(-1)
+            logprobs = logprobs.squeeze(1)
+            topk_logprobs, topk_ids = all_logprobs.topk(meta.max_num_logprobs, dim=-1)  # [B, K]
+        return SamplerOutput(token_ids, logprobs, ranks, topk_ids, topk_logprobs)
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """[B, V] processed logits (never written to) -> [B] int64 token ids."""
