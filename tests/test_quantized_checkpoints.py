@@ -295,7 +295,10 @@ def test_tensor_parallel_shards_quantized_layers_on_group_boundaries(model_dirs,
     path = str(tmp_path / kind)
     write_quantized_checkpoint(model_dirs["untied-gqa4"], path, kind, **options)
     prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 4, 10, seed=5)]
-    tp1 = LLM(path, **ENGINE).generate(prompts, GREEDY, use_tqdm=False)
+    _assert_tp2_equals_tp1(path, prompts, LLM(path, **ENGINE).generate(prompts, GREEDY, use_tqdm=False))
+
+
+def _assert_tp2_equals_tp1(path: str, prompts, tp1) -> None:
     tp2_llm = LLM(path, tensor_parallel_size=2, **ENGINE)
     try:
         tp2 = tp2_llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -316,12 +319,7 @@ def test_desc_act_with_g_idx_in_input_order_runs_and_shards_as_plain_groups(mode
                if isinstance(m, LinearBase))
     tp1 = llm.generate(prompts, GREEDY, use_tqdm=False)
     del llm
-    tp2_llm = LLM(static, tensor_parallel_size=2, **ENGINE)
-    try:
-        tp2 = tp2_llm.generate(prompts, GREEDY, use_tqdm=False)
-    finally:
-        tp2_llm.close()
-    assert [o.outputs[0].token_ids for o in tp2] == [o.outputs[0].token_ids for o in tp1]
+    _assert_tp2_equals_tp1(static, prompts, tp1)
 
 
 def test_tensor_parallel_refuses_layouts_that_cannot_shard(checkpoints):
