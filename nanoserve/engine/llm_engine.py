@@ -307,9 +307,12 @@ class LLMEngine:
     def _decoded(self, logprobs: list[dict[int, Logprob]], params: SamplingParams) -> list[dict[int, Logprob]]:
         """vLLM's decoded_token of sample logprobs: each token decoded alone (None when detokenize=False)."""
         if params.detokenize:
+            texts: dict[int, str] = {}  # the top k repeat across steps: one decode per distinct token
             for step in logprobs:
                 for t, lp in step.items():
-                    lp.decoded_token = self.tokenizer.decode([t])
+                    if t not in texts:
+                        texts[t] = self.tokenizer.decode([t])
+                    lp.decoded_token = texts[t]
         return logprobs
 
     def _prompt_logprobs(self, request: Request) -> PromptLogprobs | None:
