@@ -301,6 +301,14 @@ def test_logit_bias_and_allowed_token_ids_as_vllm(tiny_model, hf, llm):
     sampled = llm.generate([prompt], SamplingParams(n=3, seed=1, max_tokens=12, ignore_eos=True, temperature=1.5,
                                                     allowed_token_ids=allowed), use_tqdm=False)[0].outputs
     assert all(t in allowed for c in sampled for t in c.token_ids)
+    # allowed ids that min_tokens suppresses leave a row nothing: it keeps its other tokens rather than
+    # drawing from an all -inf row (NaN weights, an id past the vocabulary)
+    eos = llm.engine.eos_token_ids[0]
+    for temperature in (0, 1.0):
+        cornered = llm.generate([prompt], SamplingParams(temperature=temperature, seed=2, max_tokens=4, min_tokens=2,
+                                                         allowed_token_ids=[eos]), use_tqdm=False)[0].outputs[0]
+        assert all(0 <= t < vocab for t in cornered.token_ids) and cornered.token_ids[-1] == eos
+        assert eos not in cornered.token_ids[:2]
     for bad, match in ((dict(allowed_token_ids=[]), "allowed_token_ids must not be empty"),
                        (dict(logit_bias={"x": 1.0}), "logit_bias keys must be token ids"),
                        (dict(logit_bias={1: float("nan")}), "logit_bias values must be finite")):

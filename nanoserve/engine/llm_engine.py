@@ -68,9 +68,6 @@ class LLMEngine:
             lowercase_inputs(tokenizer)
         self.generation_config = read_generation_config(config.model)
         self.eos_token_ids = eos_token_ids(tokenizer, self.generation_config)
-        # vLLM's EOS is the tokenizer's; generation_config's other EOS ids act as stop_token_ids
-        # (a sample they end reports them as its stop_reason).
-        self.tokenizer_eos_token_id: int | None = tokenizer.eos_token_id
         self.vocab_size = config.hf_config["vocab_size"]
         self.structured = StructuredOutputManager(
             lambda: self.tokenizer, self.vocab_size, self.eos_token_ids, config.structured_outputs_jump_forward
@@ -244,7 +241,9 @@ class LLMEngine:
                                    or token in params.stop_token_ids)
         if stop_token:
             seq.finish_reason = "stop"
-            seq.stop_reason = None if token == self.tokenizer_eos_token_id and not params.ignore_eos else token
+            # vLLM's EOS is the tokenizer's; generation_config's other EOS ids act as stop_token_ids
+            # (a sample they end reports them as its stop_reason).
+            seq.stop_reason = None if token == self.tokenizer.eos_token_id and not params.ignore_eos else token
             # vLLM's detokenizer renders the token that stopped the sample only with
             # include_stop_str_in_output (and then a stop string it completes is the stop_reason).
             if detok is not None and params.include_stop_str_in_output:

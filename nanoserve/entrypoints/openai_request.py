@@ -49,7 +49,8 @@ _PLAIN_FIELDS = (
     "n", "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
     "min_tokens", "skip_special_tokens", "include_stop_str_in_output", "allowed_token_ids", "bad_words",
 )
-# vLLM's server clamps each logit_bias value into this range (SamplingParams.from_optional).
+# vLLM's server clamps each logit_bias value into this range (SamplingParams.from_optional:
+# min(100, max(-100, v)), in that order, so a NaN becomes -100 as there).
 _LOGIT_BIAS_LIMIT = 100.0
 # Fields whose default, when the body leaves them out, comes from generation_config.json.
 _DEFAULTED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -186,7 +187,7 @@ class RequestBuilder:
         # response_format / structured_outputs / guided_* (nanoserve/structured/openai.py)
         kwargs["structured_outputs"] = structured_outputs_from_body(body)
         if isinstance(bias := body.get("logit_bias"), dict):  # other types: SamplingParams names the field
-            bias = {k: max(-_LOGIT_BIAS_LIMIT, min(_LOGIT_BIAS_LIMIT, v)) if isinstance(v, (int, float)) else v
+            bias = {k: min(_LOGIT_BIAS_LIMIT, max(-_LOGIT_BIAS_LIMIT, v)) if isinstance(v, (int, float)) else v
                     for k, v in bias.items()}
         if bias is not None:
             kwargs["logit_bias"] = bias

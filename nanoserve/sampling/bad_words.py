@@ -28,11 +28,13 @@ def bad_words_token_ids(bad_words: list[str], tokenizer, vocab_size: int) -> tup
     return tuple(tuple(ids) for ids in sequences)
 
 
-def banned_tokens(sequences: tuple[tuple[int, ...], ...], output: list[int]) -> list[int]:
-    """The tokens this step may not take, given the output tokens so far."""
+def banned_tokens(sequences: tuple[tuple[int, ...], ...], token_ids: list[int], num_prompt_tokens: int) -> list[int]:
+    """The tokens this step may not take, given a sequence's tokens (prompt, then output so far):
+    only each word's prefix-long tail of the output is read, never the whole output copied."""
     banned = []
+    num_output = len(token_ids) - num_prompt_tokens
     for ids in sequences:
         prefix = ids[:-1]
-        if len(prefix) <= len(output) and (not prefix or output[len(output) - len(prefix):] == list(prefix)):
+        if len(prefix) <= num_output and (not prefix or tuple(token_ids[len(token_ids) - len(prefix):]) == prefix):
             banned.append(ids[-1])
     return banned

@@ -184,7 +184,7 @@ class SamplingMetadata:
         pairs += [
             (i, t)
             for i, (r, s) in enumerate(zip(rows, specs)) if s.bad_words_token_ids
-            for t in banned_tokens(s.bad_words_token_ids, r.token_ids[r.num_prompt_tokens :])
+            for t in banned_tokens(s.bad_words_token_ids, r.token_ids, r.num_prompt_tokens)
         ]
         asked = [s.logprobs for s in specs if s.logprobs is not None]
         temperature = [s.temperature for s in specs]

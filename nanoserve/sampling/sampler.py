@@ -72,7 +72,10 @@ class Sampler(torch.nn.Module):
                 suppressed = torch.where(torch.isneginf(suppressed).all(-1, keepdim=True), logits, suppressed)
             logits = suppressed
         if meta.disallowed is not None:
-            logits = logits.masked_fill(meta.disallowed, float("-inf"))
+            allowed = logits.masked_fill(meta.disallowed, float("-inf"))
+            # A row whose allowed ids the grammar, min_tokens or bad_words already removed keeps what
+            # it had rather than drawing from nothing (a NaN distribution, an id past the vocabulary).
+            logits = torch.where(torch.isneginf(allowed).all(-1, keepdim=True), logits, allowed)
         if meta.bias is not None:
             index, values = meta.bias
             logits = logits.index_put((index[0], index[1]), values, accumulate=True)
