@@ -301,6 +301,11 @@ def test_logit_bias_and_allowed_token_ids_as_vllm(tiny_model, hf, llm):
     sampled = llm.generate([prompt], SamplingParams(n=3, seed=1, max_tokens=12, ignore_eos=True, temperature=1.5,
                                                     allowed_token_ids=allowed), use_tqdm=False)[0].outputs
     assert all(t in allowed for c in sampled for t in c.token_ids)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    limited, free = llm.generate([prompt, prompt], [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                                   allowed_token_ids=allowed), greedy], use_tqdm=False)
+    assert all(t in allowed for t in limited.outputs[0].token_ids)  # the mask is the limited row's only
+    assert free.outputs[0].token_ids[:2] == plain[0].outputs[0].token_ids
     # allowed ids that min_tokens suppresses leave a row nothing: it keeps its other tokens rather than
     # drawing from an all -inf row (NaN weights, an id past the vocabulary)
     eos = llm.engine.eos_token_ids[0]

@@ -234,11 +234,13 @@ def _disallowed(specs: list[SamplingSpec], vocab_size: int, device: torch.device
     limited = [(i, s.allowed_token_ids) for i, s in enumerate(specs) if s.allowed_token_ids is not None]
     if not limited:
         return None
-    mask = torch.zeros(len(specs), vocab_size, dtype=torch.bool)
-    for i, ids in limited:
-        mask[i] = True
-        mask[i, list(ids)] = False
-    return mask.to(device)
+    # Built on the device from the (row, id) pairs: no [B, V] host tensor to copy over every step.
+    rows = torch.tensor([i for i, _ in limited], dtype=torch.int64).to(device)
+    pairs = torch.tensor([(i, t) for i, ids in limited for t in ids], dtype=torch.int64).T.to(device)
+    mask = torch.zeros(len(specs), vocab_size, dtype=torch.bool, device=device)
+    mask[rows] = True
+    mask[pairs[0], pairs[1]] = False
+    return mask
 
 
 def _grammar_forbidden(rows: list[SamplingRow], vocab_size: int, device: torch.device) -> torch.Tensor | None:
