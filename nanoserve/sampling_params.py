@@ -4,17 +4,21 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import numbers
 from dataclasses import dataclass, fields
+
+import numpy as np
 
 from nanoserve.structured.params import GuidedDecodingParams, StructuredOutputsParams, coerce
 
 
 def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    """An int, numpy's included (as vLLM, whose fields are plain annotations), never a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
 
 
 def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
 
 
 logger = logging.getLogger(__name__)
@@ -113,6 +117,7 @@ class SamplingParams:
         for name in ("n", "top_k", "min_tokens"):
             if not _is_int(getattr(self, name)):
                 raise TypeError(f"{name} must be an int, got {getattr(self, name)!r}")
+            setattr(self, name, int(getattr(self, name)))
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             if not _is_number(getattr(self, name)):
                 raise TypeError(f"{name} must be a number, got {getattr(self, name)!r}")
@@ -121,6 +126,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not _is_int(value):
                 raise TypeError(f"{name} must be an int or None, got {value!r}")
+            if value is not None:
+                setattr(self, name, int(value))
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")

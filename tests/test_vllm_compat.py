@@ -101,6 +101,22 @@ def test_bad_value_set_after_construction_fails_like_the_constructor(llm):
     assert llm.engine.is_finished() and not llm.engine.requests
 
 
+def test_numpy_scalars_are_numbers_as_in_vllm(llm):
+    """A parameter sweep hands numpy scalars; vLLM's fields take them, so do ours (as Python
+    numbers), while numpy's bool stays refused like bool."""
+    import numpy as np
+
+    params = SamplingParams(temperature=np.float32(0.0), max_tokens=np.int64(3), n=np.int32(1), seed=np.int64(5),
+                            top_p=np.float64(0.5), ignore_eos=True)
+    assert (type(params.max_tokens), type(params.temperature), type(params.seed)) == (int, float, int)
+    want = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=3, seed=5, top_p=0.5, ignore_eos=True),
+                        use_tqdm=False)
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    with pytest.raises(TypeError, match="max_tokens"):
+        SamplingParams(max_tokens=np.bool_(True))
+
+
 def test_chat_example_one_and_many(llm):
     sampling_params = SamplingParams(temperature=0, max_tokens=4)
     outputs = llm.chat(CONVERSATION, sampling_params, use_tqdm=False)
