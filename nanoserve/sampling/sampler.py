@@ -27,6 +27,7 @@ import torch
 
 from nanoserve.sampling.filters import apply_penalties, draw_filtered, draw_full
 from nanoserve.sampling.metadata import SamplingMetadata
+from nanoserve.sampling.prompt_scores import score_tokens
 from nanoserve.sampling.rng import row_uniforms
 
 
@@ -82,17 +83,12 @@ class Sampler(torch.nn.Module):
         logits = apply_penalties(logits, meta)
         token_ids = self._sample(logits, meta)
 
-        logprobs = ranks = topk_ids = topk_logprobs = None
-        if meta.max_num_logprobs is not None:
-            lse = scored.logsumexp(-1, keepdim=True)  # [B, 1]
-            all_logprobs = scored - lse  # log_softmax(scored)
-            logprobs = all_logprobs.gather(1, token_ids[:, None])  # [B, 1]
-            # vLLM's rank (batched_count_greater_than): how many tokens score >= the sampled one,
-            # counted over logprobs (not logits) so that ties after rounding count as vLLM's do.
-            ranks = (all_logprobs >= logprobs).sum(-1)
-            logprobs = logprobs.squeeze(1)
-            topk_logprobs, topk_ids = all_logprobs.topk(meta.max_num_logprobs, dim=-1)  # [B, K]
-        return SamplerOutput(token_ids, logprobs, ranks, topk_ids, topk_logprobs)
+        if meta.max_num_logprobs is None:
+            return SamplerOutput(token_ids, None, None, None, None)
+        # The sampled token's logprob and vLLM's rank (how many tokens score >= it), and the top k:
+        # the same scoring as prompt logprobs, over log_softmax(scored).
+        scores = score_tokens(scored, token_ids, meta.max_num_logprobs)
+        return SamplerOutput(token_ids, scores.logprobs, scores.ranks, scores.topk_ids, scores.topk_logprobs)
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """[B, V] processed logits (never written to) -> [B] int64 token ids."""
