@@ -12,6 +12,8 @@ from nanoserve.outputs import (
     PoolingRequestOutput,
     RequestMetrics,
     RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
 )
 from nanoserve.pooling.config import PoolerConfig
 from nanoserve.pooling_params import PoolingParams
@@ -21,6 +23,6 @@ __all__ = [
     "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "Logprob", "Config",
     "TextPrompt", "TokensPrompt", "RequestError", "StructuredOutputsParams", "GuidedDecodingParams",
     "PoolingParams", "PoolerConfig", "PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput",
-    "EmbeddingRequestOutput",
+    "EmbeddingRequestOutput", "ScoringOutput", "ScoringRequestOutput",
 ]
 __version__ = "0.1.0"

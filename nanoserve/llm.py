@@ -14,8 +14,9 @@ from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.request_stream import default_max_inflight, stream_requests
 from nanoserve.engine_args import NO_LORA, log_no_effect_once, refuse_unless_off, resolve_engine_args
 from nanoserve.inputs import PromptType, as_prompt_list
-from nanoserve.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from nanoserve.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput, ScoringRequestOutput
 from nanoserve.pooling.api import POOLING_TASKS, params_per_prompt
+from nanoserve.pooling.score import cosine_scores, score_sides
 from nanoserve.pooling_params import PoolingParams
 from nanoserve.progress import ProgressBar
 from nanoserve.sampling_params import SamplingParams
@@ -230,6 +231,30 @@ class LLM:
         prompts = as_prompt_list(prompts)
         params = params_per_prompt(pooling_params, len(prompts), truncate_prompt_tokens)
         return self._run(prompts, params, use_tqdm, tokenization_kwargs)
+
+    def score(
+        self,
+        data_1: PromptType | Sequence[PromptType],
+        data_2: PromptType | Sequence[PromptType],
+        /,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool | Callable[..., tqdm] = True,
+        pooling_params: PoolingParams | None = None,
+        lora_request: Any = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """Similarity of each pair <data_1, data_2> (1:1, 1:N or N:N): the cosine of their embeddings,
+        as vLLM scores with an embedding model. `.outputs.score` is a float, in pair order."""
+        if self.config.runner != "pooling":
+            raise ValueError("LLM.score() needs an embedding model: LLM(model, runner='pooling')")
+        if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
+            raise TypeError(f"pooling_params must be PoolingParams or None, got {type(pooling_params).__name__}")
+        left, right = score_sides(data_1, data_2)
+        encoded = self.encode(left + right, pooling_params, use_tqdm, truncate_prompt_tokens, lora_request,
+                              tokenization_kwargs=tokenization_kwargs)
+        pad_token_id = getattr(self.get_tokenizer(), "pad_token_id", None)
+        return cosine_scores(encoded[: len(left)], encoded[len(left):], pad_token_id)
 
     def embed_stream(
         self,
