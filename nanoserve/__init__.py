@@ -1,4 +1,5 @@
 """nanoserve: a small, fast offline batch LLM inference engine."""
+from nanoserve.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from nanoserve.config import Config
 from nanoserve.engine.input_processor import RequestError
 from nanoserve.inputs import TextPrompt, TokensPrompt
@@ -24,5 +25,6 @@ __all__ = [
     "TextPrompt", "TokensPrompt", "RequestError", "StructuredOutputsParams", "GuidedDecodingParams",
     "PoolingParams", "PoolerConfig", "PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput",
     "EmbeddingRequestOutput", "ScoringOutput", "ScoringRequestOutput",
+    "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence",
 ]
 __version__ = "0.1.0"
