@@ -1,4 +1,5 @@
 """nanoserve: a small, fast offline batch LLM inference engine."""
+from nanoserve.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from nanoserve.config import Config
 from nanoserve.engine.input_processor import RequestError
 from nanoserve.inputs import TextPrompt, TokensPrompt
@@ -12,6 +13,8 @@ from nanoserve.outputs import (
     PoolingRequestOutput,
     RequestMetrics,
     RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
 )
 from nanoserve.pooling.config import PoolerConfig
 from nanoserve.pooling_params import PoolingParams
@@ -21,6 +24,7 @@ __all__ = [
     "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "Logprob", "Config",
     "TextPrompt", "TokensPrompt", "RequestError", "StructuredOutputsParams", "GuidedDecodingParams",
     "PoolingParams", "PoolerConfig", "PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput",
-    "EmbeddingRequestOutput",
+    "EmbeddingRequestOutput", "ScoringOutput", "ScoringRequestOutput",
+    "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence",
 ]
 __version__ = "0.1.0"

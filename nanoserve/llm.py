@@ -7,15 +7,17 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from nanoserve.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from nanoserve.chat import render_conversations
 from nanoserve.config import Config
 from nanoserve.engine.input_processor import RequestError, encode_kwargs
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.request_stream import default_max_inflight, stream_requests
 from nanoserve.engine_args import NO_LORA, log_no_effect_once, refuse_unless_off, resolve_engine_args
-from nanoserve.inputs import PromptType, as_prompt_list
-from nanoserve.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from nanoserve.inputs import PromptType, TokensPrompt, as_prompt_list
+from nanoserve.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput, ScoringRequestOutput
 from nanoserve.pooling.api import POOLING_TASKS, params_per_prompt
+from nanoserve.pooling.score import cosine_scores, score_sides
 from nanoserve.pooling_params import PoolingParams
 from nanoserve.progress import ProgressBar
 from nanoserve.sampling_params import SamplingParams
@@ -103,6 +105,64 @@ class LLM:
         finally:
             bar.close()
         return [results[i] for i in range(len(requests))]
+
+    def beam_search(
+        self,
+        prompts: Sequence[PromptType],
+        params: BeamSearchParams,
+        lora_request: Any = None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search (nanoserve/beam_search.py): each prompt's best `beam_width` sequences,
+        best first, `.tokens` including the prompt, `.text` its decoding, `.cum_logprob`.
+        `concurrency_limit` prompts are searched at a time (None: all)."""
+        refuse_unless_off("beam_search()", "lora_request", lora_request, (None,), NO_LORA)
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        if 2 * params.beam_width > self.config.max_logprobs:
+            raise ValueError(
+                f"beam_width={params.beam_width} takes {2 * params.beam_width} logprobs a step, more than "
+                f"max_logprobs={self.config.max_logprobs}; raise LLM(max_logprobs=...)"
+            )
+        if concurrency_limit is not None and (isinstance(concurrency_limit, bool) or not isinstance(concurrency_limit, int)
+                                              or concurrency_limit < 1):
+            raise ValueError(f"concurrency_limit must be an integer >= 1 or None, got {concurrency_limit!r}")
+        tokens = [self._beam_prompt_tokens(prompt) for prompt in as_prompt_list(prompts)]
+        step_params = SamplingParams(logprobs=2 * params.beam_width, max_tokens=1, temperature=params.temperature)
+
+        def generate_step(beams: list[list[int]]) -> list:
+            outs = self.generate([TokensPrompt(prompt_token_ids=t) for t in beams], step_params, use_tqdm=False)
+            return [out.outputs[0].logprobs[0] if out.outputs[0].logprobs else None for out in outs]
+
+        tokenizer = self.get_tokenizer()
+        limit = concurrency_limit or len(tokens)
+        bar = tqdm(total=-(-len(tokens) // limit) * params.max_tokens, desc="Beam search", disable=not use_tqdm)
+        try:
+            instances = run_beam_search(generate_step, tokens, params, tokenizer.eos_token_id,
+                                        self.config.max_model_len, limit, step_done=bar.update)
+        finally:
+            bar.close()
+        for instance in instances:
+            for beam in instance.completed:
+                beam.text = tokenizer.decode(beam.tokens)
+        return [BeamSearchOutput(sequences=instance.completed) for instance in instances]
+
+    def _beam_prompt_tokens(self, prompt: PromptType) -> list[int]:
+        """A beam search prompt's token ids (text tokenized as vLLM's beam search does), checked."""
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = list(prompt["prompt_token_ids"])
+        elif isinstance(prompt, (dict, str)):
+            ids = self.get_tokenizer().encode(prompt["prompt"] if isinstance(prompt, dict) else prompt)
+        else:
+            ids = list(prompt)
+        vocab = self.engine.vocab_size
+        if not ids or len(ids) > self.config.max_model_len:
+            raise ValueError(f"a beam search prompt needs 1 to max_model_len={self.config.max_model_len} tokens, "
+                             f"got {len(ids)}")
+        if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab for i in ids):
+            raise ValueError(f"beam search prompt token ids must be integers in [0, {vocab}) (the model's vocab_size)")
+        return ids
 
     def generate_stream(
         self,
@@ -230,6 +290,30 @@ class LLM:
         prompts = as_prompt_list(prompts)
         params = params_per_prompt(pooling_params, len(prompts), truncate_prompt_tokens)
         return self._run(prompts, params, use_tqdm, tokenization_kwargs)
+
+    def score(
+        self,
+        data_1: PromptType | Sequence[PromptType],
+        data_2: PromptType | Sequence[PromptType],
+        /,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool | Callable[..., tqdm] = True,
+        pooling_params: PoolingParams | None = None,
+        lora_request: Any = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """Similarity of each pair <data_1, data_2> (1:1, 1:N or N:N): the cosine of their embeddings,
+        as vLLM scores with an embedding model. `.outputs.score` is a float, in pair order."""
+        if self.config.runner != "pooling":
+            raise ValueError("LLM.score() needs an embedding model: LLM(model, runner='pooling')")
+        if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
+            raise TypeError(f"pooling_params must be PoolingParams or None, got {type(pooling_params).__name__}")
+        left, right = score_sides(data_1, data_2)
+        encoded = self.encode(left + right, pooling_params, use_tqdm, truncate_prompt_tokens, lora_request,
+                              tokenization_kwargs=tokenization_kwargs)
+        pad_token_id = getattr(self.get_tokenizer(), "pad_token_id", None)
+        return cosine_scores(encoded[: len(left)], encoded[len(left):], pad_token_id)
 
     def embed_stream(
         self,

@@ -170,3 +170,18 @@ class EmbeddingRequestOutput(PoolingRequestOutput):
             prompt=request_output.prompt,
             metrics=request_output.metrics,
         )
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+    def __repr__(self) -> str:
+        return f"ScoringOutput(score={self.score})"
+
+
+@dataclass(repr=False)
+class ScoringRequestOutput(PoolingRequestOutput):
+    """One pair's similarity (LLM.score): `outputs.score` is a float."""
+
+    outputs: ScoringOutput

@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
+from nanoserve.beam_search import BeamSearchParams  # noqa: F401 -- where vLLM's scripts import it from
 from nanoserve.structured.params import GuidedDecodingParams, StructuredOutputsParams, coerce
 
 

@@ -134,6 +134,57 @@ def test_prompt_forms_and_order(llm):
         np.testing.assert_allclose(out.outputs.embedding, outs[0].outputs.embedding, atol=1e-6)
 
 
+# ---- LLM.score: cosine of the two sides' embeddings, as vLLM scores with an embedding model ----
+
+
+def test_score_pairs_one_to_n_and_n_to_n_against_sentence_transformers(ckpts):
+    llm = LLM(ckpts["mean"], **POOLING)  # not normalised: the cosine must divide by both norms
+    try:
+        query, docs = QUERIES[0], DOCS[:3]
+        ref = st_encode(ckpts["mean"], [query, *docs])
+        one_to_n = llm.score(query, docs, use_tqdm=False)
+        assert [round(o.outputs.score, 5) for o in one_to_n] == [round(cosine(ref[0], r), 5) for r in ref[1:]]
+        n_to_n = llm.score(docs, list(reversed(docs)), use_tqdm=False)
+        for out, (a, b) in zip(n_to_n, zip(docs, reversed(docs))):
+            assert out.outputs.score == pytest.approx(cosine(ref[1 + docs.index(a)], ref[1 + docs.index(b)]), abs=1e-5)
+        assert n_to_n[1].outputs.score == pytest.approx(1.0, abs=1e-6)  # the middle doc against itself
+        (one,) = llm.score({"prompt": query}, {"prompt_token_ids": llm.get_tokenizer().encode(docs[0])},
+                           use_tqdm=False)
+        assert one.outputs.score == pytest.approx(one_to_n[0].outputs.score, abs=1e-6)
+        assert_no_leak(llm)
+    finally:
+        llm.close()
+
+
+def test_score_reports_both_prompts_token_ids_and_the_pair_id(llm):
+    tokenizer = llm.get_tokenizer()
+    out, = llm.score(DOCS[0], DOCS[2], use_tqdm=False)
+    pad = [] if tokenizer.pad_token_id is None else [tokenizer.pad_token_id]
+    assert out.prompt_token_ids == tokenizer(DOCS[0])["input_ids"] + pad + tokenizer(DOCS[2])["input_ids"]
+    left, right = out.request_id.split("_")
+    assert int(right) == int(left) + 1  # one batch: the left side first
+    assert isinstance(out.outputs.score, float) and -1.0 <= out.outputs.score <= 1.0
+
+
+@pytest.mark.parametrize("data_1, data_2, match", [
+    (DOCS[:2], DOCS[:3], "1:1, 1:N or N:N; got 2 and 3"),
+    ([], DOCS[:1], "at least one prompt in data_1"),
+    (DOCS[0], [], "at least one prompt in data_2"),
+    (DOCS[0], ["fine", ""], "prompt is empty"),  # a bad prompt on either side stops the whole call
+])
+def test_score_bad_pairings_fail_before_work(llm, data_1, data_2, match):
+    next_id = llm.engine._next_request_id
+    with pytest.raises(ValueError, match=match):
+        llm.score(data_1, data_2)
+    assert llm.engine._next_request_id == next_id  # nothing was queued
+    assert_no_leak(llm)
+
+
+def test_score_needs_a_pooling_engine(tiny_model):
+    with pytest.raises(ValueError, match="runner='pooling'"):
+        make_llm(tiny_model).score("a", "b")
+
+
 # ---- Matryoshka, normalisation, truncation ---------------------------------------------------
 
 
