@@ -5,6 +5,8 @@ from nanoserve.engine.input_processor import RequestError
 from nanoserve.inputs import TextPrompt, TokensPrompt
 from nanoserve.llm import LLM
 from nanoserve.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
     CompletionOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
@@ -25,6 +27,7 @@ __all__ = [
     "TextPrompt", "TokensPrompt", "RequestError", "StructuredOutputsParams", "GuidedDecodingParams",
     "PoolingParams", "PoolerConfig", "PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput",
     "EmbeddingRequestOutput", "ScoringOutput", "ScoringRequestOutput",
-    "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence",
+    "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "ClassificationOutput",
+    "ClassificationRequestOutput",
 ]
 __version__ = "0.1.0"

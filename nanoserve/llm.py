@@ -15,7 +15,13 @@ from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.request_stream import default_max_inflight, stream_requests
 from nanoserve.engine_args import NO_LORA, log_no_effect_once, refuse_unless_off, resolve_engine_args
 from nanoserve.inputs import PromptType, TokensPrompt, as_prompt_list
-from nanoserve.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput, ScoringRequestOutput
+from nanoserve.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringRequestOutput,
+)
 from nanoserve.pooling.api import POOLING_TASKS, params_per_prompt
 from nanoserve.pooling.score import cosine_scores, score_sides
 from nanoserve.pooling_params import PoolingParams
@@ -268,9 +274,28 @@ class LLM:
         Needs `LLM(model, runner="pooling")`. Prompts in every form `generate` takes.
         `truncate_prompt_tokens=k` keeps each prompt's last k tokens (-1: max_model_len).
         """
-        outputs = self.encode(prompts, pooling_params, use_tqdm, truncate_prompt_tokens, lora_request,
+        outputs = self.encode(prompts, pooling_params, use_tqdm, truncate_prompt_tokens, lora_request, "embed",
                               tokenization_kwargs=tokenization_kwargs)
         return [EmbeddingRequestOutput.from_base(out) for out in outputs]
+
+    def classify(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        /,
+        *,
+        use_tqdm: bool | Callable[..., tqdm] = True,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        lora_request: Any = None,
+        truncate_prompt_tokens: int | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """Class probabilities per prompt, in input order (`.outputs.probs`), from a
+        `*ForSequenceClassification` checkpoint (`LLM(model, runner="pooling")`): its `score` head on
+        the last token, softmax (sigmoid for one label or multi-label; none for regression or with
+        `PoolingParams(use_activation=False)`)."""
+        outputs = self.encode(prompts, pooling_params, use_tqdm, truncate_prompt_tokens, lora_request, "classify",
+                              tokenization_kwargs=tokenization_kwargs)
+        return [ClassificationRequestOutput.from_base(out) for out in outputs]
 
     def encode(
         self,
@@ -283,9 +308,15 @@ class LLM:
         *,
         tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[PoolingRequestOutput]:
-        """Like `embed`, each result's `.outputs.data` a float32 tensor; pooling_task "embed" (or None)."""
+        """Like `embed` / `classify`, each result's `.outputs.data` a float32 tensor; pooling_task
+        "embed" or "classify", the engine's (None: whichever it is)."""
         if pooling_task not in (None, *POOLING_TASKS):
             raise ValueError(f"pooling_task must be one of {POOLING_TASKS} (or None), got {pooling_task!r}")
+        pooling = self.config.pooling
+        if pooling_task is not None and pooling is not None and pooling_task != pooling.task:
+            model, call = ("a sequence classifier", "classify()") if pooling.task == "classify" else (
+                "an embedding model", "embed()")
+            raise ValueError(f"pooling_task={pooling_task!r}: this LLM's model is {model}; use llm.{call}")
         refuse_unless_off("encode()", "lora_request", lora_request, (None,), NO_LORA)
         prompts = as_prompt_list(prompts)
         params = params_per_prompt(pooling_params, len(prompts), truncate_prompt_tokens)
@@ -305,8 +336,9 @@ class LLM:
     ) -> list[ScoringRequestOutput]:
         """Similarity of each pair <data_1, data_2> (1:1, 1:N or N:N): the cosine of their embeddings,
         as vLLM scores with an embedding model. `.outputs.score` is a float, in pair order."""
-        if self.config.runner != "pooling":
-            raise ValueError("LLM.score() needs an embedding model: LLM(model, runner='pooling')")
+        if self.config.runner != "pooling" or self.config.pooling.task != "embed":
+            raise ValueError("LLM.score() needs an embedding model (LLM(model, runner='pooling')); cross-encoder "
+                             "scoring with a sequence classifier is not supported")
         if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
             raise TypeError(f"pooling_params must be PoolingParams or None, got {type(pooling_params).__name__}")
         left, right = score_sides(data_1, data_2)

@@ -185,3 +185,38 @@ class ScoringRequestOutput(PoolingRequestOutput):
     """One pair's similarity (LLM.score): `outputs.score` is a float."""
 
     outputs: ScoringOutput
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]  # one per label: probabilities (softmax or sigmoid), or logits without activation
+
+    @staticmethod
+    def from_base(pooling_output: PoolingOutput) -> ClassificationOutput:
+        return ClassificationOutput(pooling_output.data.tolist())
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+    def __repr__(self) -> str:
+        return f"ClassificationOutput(probs={short_list(self.probs, 'values')})"
+
+
+@dataclass(repr=False)
+class ClassificationRequestOutput(PoolingRequestOutput):
+    """One prompt's class probabilities (LLM.classify): `outputs.probs` is a list of floats."""
+
+    outputs: ClassificationOutput
+
+    @staticmethod
+    def from_base(request_output: PoolingRequestOutput) -> ClassificationRequestOutput:
+        return ClassificationRequestOutput(
+            request_id=request_output.request_id,
+            outputs=ClassificationOutput.from_base(request_output.outputs),
+            prompt_token_ids=request_output.prompt_token_ids,
+            num_cached_tokens=request_output.num_cached_tokens,
+            finished=request_output.finished,
+            prompt=request_output.prompt,
+            metrics=request_output.metrics,
+        )

@@ -29,7 +29,7 @@ from nanoserve.layers.context import ModelContext
 from nanoserve.layers.pooler import Pooler
 from nanoserve.models import head_dim_of, model_class
 from nanoserve.models.loader import load_weights, prepare_weights
-from nanoserve.pooling.model import embedding_model_class
+from nanoserve.pooling.model import classifier_model_class, embedding_model_class
 from nanoserve.quantization.checkpoint import LOAD_TIME
 from nanoserve.sampling import Sampler, SamplingMetadata, SamplingRow
 from nanoserve.sampling.prompt_scores import score_tokens
@@ -108,8 +108,8 @@ class ModelRunner:
         try:
             with torch.device(self.device):
                 cls = model_class(cfg)
-                if self.config.pooling is not None:
-                    cls = embedding_model_class(cls)  # hidden states out, no LM head
+                if self.config.pooling is not None:  # hidden states out, no LM head (a classifier: its score head)
+                    cls = (classifier_model_class if self.config.pooling.task == "classify" else embedding_model_class)(cls)
                 model = cls(cfg, ctx)
         finally:
             torch.set_default_dtype(default_dtype)
@@ -279,12 +279,12 @@ class ModelRunner:
             # (every row's K/V is still cached); with none completing, one row keeps the shapes non-empty
             keep = torch.tensor(rows or [inputs.input_ids.shape[0] - 1], dtype=torch.int64, device=self.device)
             hidden = self.forward(inputs.input_ids, inputs.positions, inputs.meta, keep)
-            return StepOutput([], None, None, pooled=hidden[: len(rows)].float().cpu())
+            return StepOutput([], None, None, pooled=self.model.pooled_output(hidden[: len(rows)].float().cpu()))
         hidden = self.forward(inputs.input_ids, inputs.positions, inputs.meta)  # [num_tokens, hidden]
         seqs = batch.seqs
         pooled = self.pooler(hidden, [s.seq_id for s in seqs], [s.num_computed_tokens for s in seqs],
                              batch.num_new_tokens, batch.samples)
-        return StepOutput([], None, None, pooled=pooled)
+        return StepOutput([], None, None, pooled=self.model.pooled_output(pooled))
 
 
 def run_model(

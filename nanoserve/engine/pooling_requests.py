@@ -1,6 +1,7 @@
 """Pooling requests in the engine: checked before any work, queued as prefill-only sequences,
 finished the step their prompt completes (their KV blocks freed then; only the prefix cache
-keeps what it holds), their pooled vector truncated (Matryoshka) and normalised as asked."""
+keeps what it holds), their pooled vector truncated (Matryoshka) and normalised as asked, or a
+classifier's logits turned into probabilities."""
 from __future__ import annotations
 
 import time
@@ -22,6 +23,7 @@ class PoolingSpec:
     prompt_token_ids: list[int]  # after truncate_prompt_tokens
     dimensions: int | None
     normalize: bool
+    activation: str | None = None  # a classifier's: "softmax", "sigmoid" or None (raw logits)
 
 
 @dataclass
@@ -43,8 +45,8 @@ def validate_pooling_request(
     """Every check that can fail, before any work; the engine's runner must be "pooling"."""
     if config.runner != "pooling":
         raise ValueError(
-            "PoolingParams need an embedding engine: this LLM was built with runner='generate'; "
-            "build LLM(model, runner='pooling') to embed"
+            "PoolingParams need an embedding or classification engine: this LLM was built with "
+            "runner='generate'; build LLM(model, runner='pooling') to embed or classify"
         )
     if not isinstance(params, PoolingParams):
         raise TypeError(
@@ -64,6 +66,12 @@ def validate_pooling_request(
             f"prompt has {len(ids)} tokens, longer than max_model_len={config.max_model_len}; "
             "pass truncate_prompt_tokens to keep its last tokens"
         )
+    if pooling.task == "classify":
+        if params.dimensions is not None:
+            raise ValueError(f"dimensions={params.dimensions}: a classifier returns its {pooling.num_labels} label "
+                             "scores; dimensions is for embeddings, leave it None")
+        wanted = params.wants_normalize  # vLLM's use_activation: False keeps the raw logits
+        return PoolingSpec(ids, None, False, None if wanted is False else pooling.activation)
     _check_dimensions(params.dimensions, pooling.hidden_size, pooling.matryoshka_dimensions)
     # None: the checkpoint's size (config_sentence_transformers.json truncate_dim, else hidden_size)
     dimensions = params.dimensions if params.dimensions is not None else pooling.default_dimensions
@@ -118,6 +126,10 @@ def finish_pooling_request(request: PoolingRequest, pooled: torch.Tensor, now: f
     vector = pooled[: spec.dimensions] if spec.dimensions is not None else pooled
     if spec.normalize:  # after the Matryoshka cut, as vLLM: the shorter vector is unit length too
         vector = F.normalize(vector, dim=-1)
+    if spec.activation == "softmax":
+        vector = vector.softmax(-1)
+    elif spec.activation == "sigmoid":
+        vector = vector.sigmoid()
     request.metrics.finished_time = now
     seq = request.seqs[0]
     return PoolingRequestOutput(

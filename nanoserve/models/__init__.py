@@ -23,6 +23,12 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "MistralModel": ("mistral", "MistralForCausalLM"),
     "Qwen2Model": ("qwen2", "Qwen2ForCausalLM"),
     "Qwen3Model": ("qwen3", "Qwen3ForCausalLM"),
+    # Sequence classifiers (rewards, rerankers, labels): the decoder and a `score` head on the last
+    # token, which only runner="pooling" runs (nanoserve/pooling/model.py).
+    "LlamaForSequenceClassification": ("llama", "LlamaForCausalLM"),
+    "MistralForSequenceClassification": ("mistral", "MistralForCausalLM"),
+    "Qwen2ForSequenceClassification": ("qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForSequenceClassification": ("qwen3", "Qwen3ForCausalLM"),
 }
 
 SUPPORTED_ARCHITECTURES = tuple(MODEL_REGISTRY)

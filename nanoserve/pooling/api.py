@@ -9,7 +9,7 @@ import dataclasses
 
 from nanoserve.pooling_params import PoolingParams
 
-POOLING_TASKS = ("embed",)
+POOLING_TASKS = ("embed", "classify")
 
 
 def params_per_prompt(pooling_params, num_prompts: int, truncate_prompt_tokens: int | None) -> list[PoolingParams]:

@@ -1,5 +1,9 @@
 """Which runner an engine is (generate or pooling) and how a pooling checkpoint pools.
 
+A pooling engine has one task: "embed" (a vector per prompt) or, for a `*ForSequenceClassification`
+checkpoint, "classify" (its `score` head's class probabilities from the last token, as vLLM and
+HF transformers run such models).
+
 Read as vLLM and sentence-transformers read them: the runner from `runner=` (or vLLM's older
 `task=` / `convert=`), "auto" deciding by the architecture name; the pooling from the
 checkpoint's sentence-transformers files (`modules.json` -> its Pooling module's
@@ -18,11 +22,19 @@ from nanoserve.checkpoint import read_json
 
 RUNNERS = ("auto", "generate", "pooling")
 # vLLM's older spellings of a runner: task= and convert= values -> runner.
-TASK_TO_RUNNER = {"auto": "auto", "generate": "generate", "embed": "pooling", "embedding": "pooling"}
-CONVERT_TO_RUNNER = {"auto": "auto", "none": "auto", "embed": "pooling"}
+TASK_TO_RUNNER = {"auto": "auto", "generate": "generate", "embed": "pooling", "embedding": "pooling",
+                  "classify": "pooling"}
+CONVERT_TO_RUNNER = {"auto": "auto", "none": "auto", "embed": "pooling", "classify": "pooling"}
 # vLLM's defaults by architecture-name suffix (first match wins): "*ForCausalLM" generates,
-# "*Model" (e.g. Qwen3Model, MistralModel, *EmbeddingModel) is a base model and pools.
-_SUFFIX_TO_RUNNER = (("ForCausalLM", "generate"), ("Model", "pooling"))
+# "*Model" (e.g. Qwen3Model, MistralModel, *EmbeddingModel) is a base model and pools,
+# "*ForSequenceClassification" pools and classifies.
+CLASSIFIER_SUFFIX = "ForSequenceClassification"
+_SUFFIX_TO_RUNNER = (("ForCausalLM", "generate"), ("Model", "pooling"), (CLASSIFIER_SUFFIX, "pooling"))
+# HF's problem_type -> the activation that turns a classifier's logits into its outputs (as
+# transformers' loss for that problem and vLLM's classify pooler): softmax over >= 2 labels,
+# sigmoid for one label or multi-label, none for regression.
+_PROBLEM_ACTIVATIONS = {"regression": None, "multi_label_classification": "sigmoid",
+                        "single_label_classification": "softmax"}
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 # sentence-transformers' pooling modes -> ours (the others are refused by name).
@@ -104,6 +116,9 @@ class Pooling:
     default_dimensions: int | None = None
     lower_case: bool = False  # sentence_bert_config.json `do_lower_case`: texts are lowercased first
     max_seq_length: int | None = None  # sentence_bert_config.json: caps the default max_model_len
+    task: str = "embed"  # "embed" or "classify" (a *ForSequenceClassification checkpoint)
+    num_labels: int | None = None  # classify: the score head's outputs
+    activation: str | None = None  # classify: "softmax", "sigmoid" or None (logits as they are)
 
     @property
     def uses_prefix_cache(self) -> bool:
@@ -147,9 +162,11 @@ def resolve_runner(runner: str, hf_config: dict, source: str) -> str:
             "gte-Qwen2-instruct), and nanoserve's attention is causal only, so it would embed it wrong"
         )
     if runner == "generate" and by_name == "pooling":
+        kind, call = (("a sequence classifier", "llm.classify()") if arch.endswith(CLASSIFIER_SUFFIX)
+                      else ("a base model", "llm.embed()"))
         raise ValueError(
-            f"{source}: architecture {arch!r} is a base model without an LM head, so it cannot generate; "
-            "use LLM(model, runner='pooling') and llm.embed()"
+            f"{source}: architecture {arch!r} is {kind} without an LM head, so it cannot generate; "
+            f"use LLM(model, runner='pooling') and {call}"
         )
     return runner
 
@@ -159,6 +176,8 @@ def resolve_runner(runner: str, hf_config: dict, source: str) -> str:
 
 def resolve_pooling(model_dir: str, hf_config: dict, override: PoolerConfig | None) -> Pooling:
     """The checkpoint's pooling (sentence-transformers files, else vLLM's default), then the override."""
+    if hf_config["architectures"][0].endswith(CLASSIFIER_SUFFIX):
+        return resolve_classifier(hf_config, override, os.path.join(model_dir, "config.json"))
     overridden = override is not None and override.pooling_type is not None
     pooling_type, normalize = read_sentence_transformers_pooling(model_dir, read_pooling_type=not overridden)
     if override is not None:
@@ -180,6 +199,34 @@ def resolve_pooling(model_dir: str, hf_config: dict, override: PoolerConfig | No
         default_dimensions=default_dimensions,
         lower_case=lower_case,
         max_seq_length=max_seq_length,
+    )
+
+
+def classifier_num_labels(hf_config: dict):
+    """config.json's num_labels, else the size of its id2label (what transformers saves), else 2
+    (PretrainedConfig's default)."""
+    num_labels = hf_config.get("num_labels")
+    return num_labels if num_labels is not None else len(hf_config.get("id2label") or {}) or 2
+
+
+def resolve_classifier(hf_config: dict, override: PoolerConfig | None, source: str) -> Pooling:
+    """A sequence classifier: the last token's hidden state through the `score` head (HF's and
+    vLLM's pooling for a decoder classifier), then the problem type's activation."""
+    num_labels = classifier_num_labels(hf_config)
+    if not isinstance(num_labels, int) or isinstance(num_labels, bool) or num_labels < 1:
+        raise ValueError(f"{source}: num_labels must be an int >= 1, got {num_labels!r}")
+    problem = hf_config.get("problem_type")
+    if problem is not None and problem not in _PROBLEM_ACTIVATIONS:
+        raise ValueError(f"{source}: problem_type must be one of {tuple(_PROBLEM_ACTIVATIONS)} or null, got {problem!r}")
+    activation = _PROBLEM_ACTIVATIONS[problem] if problem is not None else "softmax"
+    if activation == "softmax" and num_labels == 1:
+        activation = "sigmoid"  # one logit: its probability, as vLLM's classify pooler
+    if override is not None and override.wants_normalize is False:
+        activation = None
+    return Pooling(
+        pooling_type=(override.pooling_type if override is not None else None) or "LAST",
+        normalize=False, hidden_size=int(hf_config["hidden_size"]), matryoshka_dimensions=None,
+        task="classify", num_labels=num_labels, activation=activation,
     )
 
 

@@ -52,7 +52,11 @@ def random_model(arch: str, config, seed: int, dtype: torch.dtype) -> nn.Module:
     the dtype. Tied parameters (lm_head and embed_tokens) stay one tensor. Non-persistent
     buffers (RoPE frequencies) stay on the meta device: save_pretrained never writes them.
     """
-    model = empty_model(arch, config)
+    return fill_random(empty_model(arch, config), seed, dtype)
+
+
+def fill_random(model: nn.Module, seed: int, dtype: torch.dtype) -> nn.Module:
+    """`model` (built on the meta device) with every parameter seeded noise, as random_model."""
     generator = torch.Generator().manual_seed(seed)
     named = list(model.named_parameters(remove_duplicate=False))  # keeps the meta tensors alive
     filled: dict[int, nn.Parameter] = {}
