@@ -17,7 +17,9 @@ columns of Ray's own LLM processor added: `generated_text`, `generated_tokens`,
 {"token_id", "logprob", "rank"}: the prompt token first, then the top k).
 With `task_type="embed"` (Ray's name) the actors build embedding engines (runner="pooling") and
 add `embeddings` (a list of floats per row, None for a kept bad row) and `num_input_tokens`
-instead; `pooling_params` (a dict of PoolingParams fields) is shared, a row's own overrides. This module
+instead; `pooling_params` (a dict of PoolingParams fields) is shared, a row's own overrides.
+`task_type="classify"` runs a `*ForSequenceClassification` checkpoint the same way, each row's
+class probabilities in `embeddings` (the column Ray's processor fills for every pooling task). This module
 does not import Ray; `pip install "nanoserve[ray]"` installs Ray Data for the driver and workers.
 """
 from __future__ import annotations
@@ -33,8 +35,8 @@ from nanoserve.engine.input_processor import RequestError
 from nanoserve.engine.request_stream import default_max_inflight, stream_requests
 
 OUTPUT_COLUMNS = ("generated_text", "generated_tokens", "num_generated_tokens", "num_input_tokens", "finish_reason")
-EMBED_COLUMNS = ("embeddings", "num_input_tokens")  # task_type="embed"
-TASK_TYPES = ("generate", "embed")
+EMBED_COLUMNS = ("embeddings", "num_input_tokens")  # task_type="embed" or "classify"
+TASK_TYPES = ("generate", "embed", "classify")
 ERROR_COLUMN = "__inference_error__"  # Ray's name, for rows kept with should_continue_on_error
 
 
@@ -68,12 +70,17 @@ class LLMPredictor:
     ) -> None:
         if task_type not in TASK_TYPES:
             raise ValueError(f"task_type must be one of {TASK_TYPES}, got {task_type!r}")
-        self.embed = task_type == "embed"
+        self.embed = task_type != "generate"  # a pooling task: embed or classify
         if self.embed:
             engine_kwargs = {"runner": "pooling", **(engine_kwargs or {})}
         self.pooling_params = dict(pooling_params or {})
         PoolingParams(**self.pooling_params)
         self.llm = LLM(model, **(engine_kwargs or {}))
+        pooling = self.llm.config.pooling
+        if pooling is not None and pooling.task != task_type:
+            self.llm.close()
+            raise ValueError(f"task_type={task_type!r}, but {model} is a {pooling.task} model: "
+                             f"pass task_type={pooling.task!r}")
         self.sampling_params = dict(sampling_params or {})
         SamplingParams(**self.sampling_params)  # a bad shared value fails here, once, not per row
         self.chat_template_kwargs = dict(chat_template_kwargs or {})

@@ -107,3 +107,18 @@ def test_bad_problem_type_is_refused(tmp_path):
         json.dump(config, f)
     with pytest.raises(ValueError, match="problem_type must be one of"):
         LLM(path, device="cpu")
+
+
+def test_ray_predictor_classify_mode(ckpts):
+    from nanoserve.ray import ERROR_COLUMN, LLMPredictor  # Ray itself is not needed to call an actor's class
+
+    predictor = LLMPredictor(ckpts["qwen3"], engine_kwargs=ENGINE, task_type="classify", should_continue_on_error=True)
+    batch = {"id": [0, 1, 2], "prompt": [TEXTS[0], "", TEXTS[1]]}
+    out = predictor(batch)
+    assert out["id"] == [0, 1, 2] and out["embeddings"][1] is None and "empty" in out[ERROR_COLUMN][1]
+    expected = hf_logits(ckpts["qwen3"], [TEXTS[0], TEXTS[1]])
+    for row, logits in zip((0, 2), expected):
+        torch.testing.assert_close(torch.tensor(out["embeddings"][row]), logits.softmax(-1), atol=2e-5, rtol=1e-4)
+    predictor.llm.close()
+    with pytest.raises(ValueError, match="is a classify model: pass task_type='classify'"):
+        LLMPredictor(ckpts["qwen3"], engine_kwargs=ENGINE, task_type="embed")
