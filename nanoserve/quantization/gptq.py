@@ -63,7 +63,7 @@ class GPTQ(QuantFormat):
         k, n = qweight.shape[0] * self.per_word, qweight.shape[1]
         group = k if self.group_size == -1 else self.group_size
         groups = -(-k // group)
-        why = f"bits={self.bits}, group_size={self.group_size}, qweight {list(qweight.shape)}"
+        why = f"bits={self.bits}, group_size={self.group_size} as {self.source} declares; qweight {list(qweight.shape)}"
         if n % self.per_word:
             raise ValueError(f"{qweight.path}: tensor {qweight.name!r}: N={n} is not a multiple of "
                              f"{self.per_word}, so qzeros cannot be packed ({why})")
