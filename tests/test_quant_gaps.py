@@ -1,15 +1,22 @@
-"""A pre-quantized checkpoint whose quantization config is in AutoGPTQ's / AutoAWQ's own file
-(quantize_config.json, quant_config.json) instead of config.json, read when quantization="gptq" /
-"awq" is given, as vLLM reads it."""
+"""Two ways a pre-quantized checkpoint used to be refused and now loads as vLLM loads it:
+
+- its quantization config in AutoGPTQ's / AutoAWQ's own file (quantize_config.json, quant_config.json)
+  instead of config.json, read when quantization="gptq" / "awq" is given;
+- act-order GPTQ (g_idx not in input order) under tensor parallelism: each row-parallel rank keeps its
+  inputs' columns of every group with the whole groups' scales (QuantizedWeight.input_shard).
+"""
 from __future__ import annotations
 
 import json
 import os
 
 import pytest
+import torch
 
 from helpers import random_prompts
 from nanoserve import LLM, SamplingParams
+from nanoserve.layers.linear import RowParallelLinear
+from nanoserve.quantization.common import TensorMeta, act_order
 from nanoserve.quantization.pack import write_quantized_checkpoint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -118,3 +125,40 @@ def test_a_config_outside_config_json_is_checked_like_config_jsons(packed, tmp_p
         LLM(none, quantization="awq_marlin", **ENGINE)
     with pytest.raises(ValueError, match=r"quant_config.json: must hold a JSON object"):
         LLM(_standalone(awq, tmp_path / "list", {"quant_config.json": [AUTOAWQ]}), quantization="awq", **ENGINE)
+
+
+# ---- act-order under tensor parallelism ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k, group", [(160, 32), (96, 64), (160, 48), (192, 2)])
+def test_a_ranks_input_shard_of_an_act_order_weight_is_exactly_its_columns(k, group):
+    """Each rank's shard (its inputs' columns of every group, padded with zero columns to whole
+    sub-groups, the group's scale on each) dequantizes to exactly those columns of the whole weight."""
+    gen = torch.Generator().manual_seed(k + group)
+    n, groups = 24, -(-k // group)
+    g_idx = torch.empty(k, dtype=torch.int64)
+    g_idx[torch.randperm(k, generator=gen)] = torch.arange(k) // group
+    q = torch.randint(-8, 8, (n, k), dtype=torch.int8, generator=gen)
+    scales = torch.rand(n, groups, generator=gen)
+    whole = act_order(q, scales, g_idx, group, TensorMeta("model.safetensors", "g_idx", (k,), "I32"))
+    reference = q.float() * scales[:, g_idx]
+    assert torch.equal(whole.dequantize(), reference)
+    for rank in range(2):
+        start, stop = rank * k // 2, (rank + 1) * k // 2
+        shard = whole.input_shard(start, stop)
+        assert torch.equal(shard.dequantize(), reference[:, start:stop])
+        assert shard.shape[1] % shard.group_size == 0 and shard.shape[1] <= 2 * (stop - start)
+
+
+@pytest.mark.parametrize("options", [dict(sym=False, act_order=True),
+                                     dict(act_order=True, group_size=64)])  # 96 / 192 inputs: a partial group
+def test_act_order_row_parallel_layers_shard_and_tp2_equals_tp1(model_dirs, tmp_path, options):
+    path = str(tmp_path / "act-order")
+    write_quantized_checkpoint(model_dirs[MODEL], path, "gptq", **options)
+    prompts = _prompts()
+    llm = LLM(path, **ENGINE)
+    rows = [m for m in llm.engine.model_runner.model.modules() if isinstance(m, RowParallelLinear)]
+    assert rows and all(m.gemm.perm is not None for m in rows)  # o_proj, down_proj run act-order
+    tp1 = _tokens(llm, prompts)
+    del llm
+    assert _tokens(LLM(path, tensor_parallel_size=2, **ENGINE), prompts) == tp1
