@@ -150,11 +150,12 @@ def test_a_ranks_input_shard_of_an_act_order_weight_is_exactly_its_columns(k, gr
         assert shard.shape[1] % shard.group_size == 0 and shard.shape[1] <= 2 * (stop - start)
 
 
-@pytest.mark.parametrize("options", [dict(sym=False, act_order=True),
-                                     dict(act_order=True, group_size=64)])  # 96 / 192 inputs: a partial group
-def test_act_order_row_parallel_layers_shard_and_tp2_equals_tp1(model_dirs, tmp_path, options):
+@pytest.mark.parametrize("kind, options", [("gptq", dict(sym=False, act_order=True)),
+                                           ("gptq", dict(act_order=True, group_size=64)),  # 96, 160: partial groups
+                                           ("ct-pack", dict(sym=False, act_order=True))])  # actorder: group
+def test_act_order_row_parallel_layers_shard_and_tp2_equals_tp1(model_dirs, tmp_path, kind, options):
     path = str(tmp_path / "act-order")
-    write_quantized_checkpoint(model_dirs[MODEL], path, "gptq", **options)
+    write_quantized_checkpoint(model_dirs[MODEL], path, kind, **options)
     prompts = _prompts()
     llm = LLM(path, **ENGINE)
     rows = [m for m in llm.engine.model_runner.model.modules() if isinstance(m, RowParallelLinear)]
