@@ -100,6 +100,7 @@ def test_a_config_outside_config_json_is_checked_like_config_jsons(packed, tmp_p
     cases = {  # file content -> the error, naming the file and the field
         "bits3": ({**AUTOGPTQ, "bits": 3}, r"quantize_config.json: bits=3 is not supported \(4 or 8\)"),
         "marlin": ({**AUTOGPTQ, "checkpoint_format": "marlin"}, r"quantize_config.json: checkpoint_format='marlin'"),
+        "is-marlin": ({**AUTOGPTQ, "is_marlin_format": True}, r"quantize_config.json: is_marlin_format=True"),
         "method": ({**AUTOGPTQ, "quant_method": "awq"},
                    r"quantize_config.json: quant_method='awq' disagrees with quantization='gptq'"),
         # present but inconsistent with the tensors: 8 bits declared, 4-bit tensors stored
