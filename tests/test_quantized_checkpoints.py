@@ -309,7 +309,7 @@ def _assert_tp2_equals_tp1(path: str, prompts, tp1) -> None:
 
 def test_desc_act_with_g_idx_in_input_order_runs_and_shards_as_plain_groups(model_dirs, tmp_path):
     """desc_act: true whose g_idx is k // group_size (GPTQ static groups): no permutation to run, so the
-    layers shard over tensor parallelism like any grouped weight (act-order proper cannot)."""
+    layers shard over tensor parallelism like any grouped weight (act-order proper: test_quant_gaps.py)."""
     path = str(tmp_path / "in-order")
     write_quantized_checkpoint(model_dirs["untied-gqa4"], path, "gptq", group_size=16)
     static = _with_config(path, tmp_path / "static", desc_act=True, static_groups=True)
@@ -323,9 +323,6 @@ def test_desc_act_with_g_idx_in_input_order_runs_and_shards_as_plain_groups(mode
 
 
 def test_tensor_parallel_refuses_layouts_that_cannot_shard(checkpoints):
-    path, _, _ = checkpoints["gptq-asym-act-order"]
-    with pytest.raises(ValueError, match=r"act-order .* cannot be split across tensor_parallel_size=2"):
-        LLM(path, tensor_parallel_size=2, **ENGINE)
     path, _, _ = checkpoints["gptq-sym"]  # groups of 32: down_proj's 160 inputs split into 80 per rank
     with pytest.raises(ValueError, match=r"input size 160 in groups of 32 cannot be split across "
                                          r"tensor_parallel_size=2 ranks: each rank's 80 inputs must be whole groups"):

@@ -113,7 +113,7 @@ class ModelRunner:
                 model = cls(cfg, ctx)
         finally:
             torch.set_default_dtype(default_dtype)
-        load_weights(model, self.config.model)
+        load_weights(model, self.config.model, self.config.quantization)
         prepare_weights(model)
         self.model = model.eval()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]

@@ -5,7 +5,8 @@ all-reduce their output). Packed layers (QKV, gate_up) load several HF tensors i
 The matmul itself is the backend's: after loading, `process_weights_after_loading` asks it for
 the layer's GEMM (plain F.linear, or e.g. a prepacked float32 copy on a CPU without bf16 math).
 A pre-quantized checkpoint's layer (`make_quantized`, called by the loader) holds int8 weights
-with group scales instead, sharded the same way (input shards on group boundaries).
+with group scales instead, sharded the same way (input shards on group boundaries; an act-order
+row-parallel layer's rank keeps its inputs' columns of every group, QuantizedWeight.input_shard).
 """
 from __future__ import annotations
 
@@ -59,31 +60,31 @@ class LinearBase(nn.Module):
         out_local, in_local = self.weight.shape
         in_full = in_local * self.tp.size if self.input_is_sharded else in_local
         per_channel = group_size >= in_full
-        if in_local != in_full and act_order:
-            raise ValueError(
-                f"an act-order (desc_act / g_idx) quantized layer of input size {in_full} cannot be split across "
-                f"tensor_parallel_size={self.tp.size} ranks: its groups are spread over the whole input; use "
-                "tensor_parallel_size=1 or a checkpoint without act-order"
-            )
-        if in_local != in_full and not per_channel and in_local % group_size:
+        # act-order with split inputs: every rank loads the whole sorted weight, scales and permutation
+        # (vLLM keeps act-order scales whole on every rank too) and keeps its inputs' part after loading
+        self.act_order_shard = in_local != in_full and act_order
+        if in_local != in_full and not per_channel and not act_order and in_local % group_size:
             raise ValueError(
                 f"a quantized layer of input size {in_full} in groups of {group_size} cannot be split across "
                 f"tensor_parallel_size={self.tp.size} ranks: each rank's {in_local} inputs must be whole groups"
             )
         self.group_size = in_local if per_channel else group_size  # per channel: one group per rank
+        in_held = in_full if self.act_order_shard else in_local
         shards = getattr(self.weight, "expected_shards", None)
         device = self.weight.device
-        self.weight = nn.Parameter(torch.empty(out_local, in_local, dtype=torch.int8, device=device),
+        self.weight = nn.Parameter(torch.empty(out_local, in_held, dtype=torch.int8, device=device),
                                    requires_grad=False)
-        groups = -(-in_local // self.group_size)
+        groups = -(-in_held // self.group_size)
         self.weight_scale = nn.Parameter(torch.empty(out_local, groups, dtype=torch.float32, device=device),
                                          requires_grad=False)
         self.weight.weight_loader = self.weight_scale.weight_loader = self.weight_loader
-        if in_local != in_full and per_channel:  # every rank scales its partial sums by the whole channel's scale
+        if in_local != in_full and (per_channel or act_order):  # every rank scales its partial sums by whole groups
             self.weight_scale.weight_loader = self._replicated_loader
+        if self.act_order_shard:
+            self.weight.weight_loader = self._replicated_loader
         params = [self.weight, self.weight_scale]
         if act_order:
-            self.weight_perm = nn.Parameter(torch.empty(in_local, dtype=torch.int64, device=device),
+            self.weight_perm = nn.Parameter(torch.empty(in_held, dtype=torch.int64, device=device),
                                             requires_grad=False)
             self.weight_perm.weight_loader = self._perm_loader
             params.append(self.weight_perm)
@@ -111,6 +112,9 @@ class LinearBase(nn.Module):
         if self.weight.dtype == torch.int8:  # make_quantized
             perm = self.weight_perm.data if hasattr(self, "weight_perm") else None
             quantized = QuantizedWeight(self.weight.data, self.weight_scale.data, self.group_size, perm)
+            if self.act_order_shard:
+                in_local = self.weight.shape[1] // self.tp.size
+                quantized = quantized.input_shard(self.tp.rank * in_local, (self.tp.rank + 1) * in_local)
             self.gemm = self.backend.prepare_quantized_linear(quantized, self.bias)
             self.weight = self.weight_scale = None  # the GEMM holds what it runs
             if perm is not None:

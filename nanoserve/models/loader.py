@@ -92,11 +92,12 @@ def bind_quantized_layers(model: nn.Module, quantized: QuantizedCheckpoint) -> s
     return as_float
 
 
-def load_weights(model: nn.Module, model_dir: str) -> None:
-    """Copy every checkpoint tensor into its parameter; fail loudly on anything missing or misfit."""
+def load_weights(model: nn.Module, model_dir: str, quantization: str | None = None) -> None:
+    """Copy every checkpoint tensor into its parameter; fail loudly on anything missing or misfit.
+    quantization: Config.quantization (a config outside config.json is read only when it is given)."""
     tensors = iter_checkpoint(model_dir)
     quantized = open_checkpoint(model_dir, read_json(os.path.join(model_dir, "config.json")),
-                                checkpoint_files(model_dir))
+                                checkpoint_files(model_dir), quantization)
     if quantized is not None:
         tensors = quantized.stream(tensors, bind_quantized_layers(model, quantized))
     params = dict(model.named_parameters())  # tied weights appear once, under their first name

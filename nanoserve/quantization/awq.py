@@ -61,7 +61,7 @@ class AWQ(QuantFormat):
         k, n = qweight.shape[0], qweight.shape[1] * PER_WORD
         group = k if self.group_size == -1 else self.group_size
         groups = -(-k // group)
-        why = f"bits=4, group_size={self.group_size}, qweight {list(qweight.shape)}"
+        why = f"bits=4, group_size={self.group_size} as {self.source} declares; qweight {list(qweight.shape)}"
         expect(metas["scales"], (groups, n), (F16, BF16, F32), why)
         expect(metas["qzeros"], (groups, n // PER_WORD), (I32,), why)
         return ModuleSpec(n, k, min(group, k), False)

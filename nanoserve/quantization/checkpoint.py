@@ -11,6 +11,7 @@ or, for a module the model runs in float, by <module>.weight as float32.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Iterable, Iterator
@@ -34,12 +35,71 @@ KERNEL_ALIASES = {"gptq_marlin": "gptq", "gptq_marlin_24": "gptq", "awq_marlin":
 QUANTIZATIONS = (LOAD_TIME, *FORMATS, *KERNEL_ALIASES)  # every value Config.quantization takes besides None
 
 
-def checkpoint_format(hf_config: dict, source: str) -> QuantFormat | None:
-    """The reader of config.json's quantization_config (None for a float checkpoint); refuses an
-    unknown quant_method or a config the reader cannot run, by field."""
+# vLLM's get_config_filenames(): where AutoGPTQ / GPTQModel and AutoAWQ wrote the quantization config
+# before it moved into config.json. vLLM reads these only for quantization="gptq" / "awq" given (its
+# get_quant_config) when config.json has none; exactly one of a method's files may be present.
+CONFIG_FILES = {"gptq": ("quantize_config.json",), "awq": ("quant_config.json", "quantize_config.json")}
+ALL_CONFIG_FILES = tuple(sorted({name for names in CONFIG_FILES.values() for name in names}))
+
+
+def _read_object(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a readable JSON file ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: must hold a JSON object (the quantization config), got {type(data).__name__}")
+    return data
+
+
+def _standalone_config(requested: str, model_dir: str, config_json: str) -> tuple[dict, str]:
+    """The quantization config of format `requested` (or a kernel name for it) from its own file in
+    `model_dir` (config.json has none)."""
+    method = KERNEL_ALIASES.get(requested, requested)
+    present = [name for name in CONFIG_FILES[method] if os.path.isfile(os.path.join(model_dir, name))]
+    if not present:
+        raise ValueError(f"quantization={requested!r} is not supported ({config_json} has no quantization_config "
+                         f"and {model_dir} no {' or '.join(CONFIG_FILES[method])}: a float checkpoint takes None, "
+                         "or 'int8' to quantize it at load)")
+    if len(present) > 1:
+        raise ValueError(f"quantization={requested!r}: {model_dir} holds several quantization configs "
+                         f"({', '.join(present)}): keep one")
+    path = os.path.join(model_dir, present[0])
+    qcfg = _read_object(path)
+    declared = qcfg.get("quant_method", method)  # AutoAWQ and older AutoGPTQ do not write it
+    if not isinstance(declared, str) or declared.lower() != method:
+        raise ValueError(f"{path}: quant_method={declared!r} disagrees with quantization={requested!r}")
+    return {**qcfg, "quant_method": method}, path
+
+
+def find_quantization_config(hf_config: dict, source: str, requested: str | None = None
+                             ) -> tuple[dict, str] | None:
+    """(the quantization config, the file it came from): config.json's quantization_config, else, with
+    quantization="gptq" / "awq" (or a kernel name for them) given, AutoGPTQ's / AutoAWQ's own file
+    (CONFIG_FILES), as vLLM; None for a float checkpoint. Without the argument such a file is refused
+    by name rather than the checkpoint loaded as a float one (vLLM would fail on its first qweight)."""
     qcfg = hf_config.get("quantization_config")
-    if qcfg is None:
+    if qcfg is not None:
+        return qcfg, source
+    model_dir = os.path.dirname(source)
+    if KERNEL_ALIASES.get(requested, requested) in CONFIG_FILES:
+        return _standalone_config(requested, model_dir, source)
+    present = [name for name in ALL_CONFIG_FILES if os.path.isfile(os.path.join(model_dir, name))]
+    if present:
+        raise ValueError(f"{os.path.join(model_dir, present[0])}: a quantized checkpoint's config outside "
+                         f"config.json (AutoGPTQ / AutoAWQ) is read with quantization='gptq' or 'awq' given, as in "
+                         f"vLLM; got quantization={requested!r}")
+    return None
+
+
+def checkpoint_format(hf_config: dict, source: str, requested: str | None = None) -> QuantFormat | None:
+    """The reader of the checkpoint's quantization config (find_quantization_config; None for a float
+    checkpoint); refuses an unknown quant_method or a config the reader cannot run, by file and field."""
+    found = find_quantization_config(hf_config, source, requested)
+    if found is None:
         return None
+    qcfg, source = found
     if not isinstance(qcfg, dict):
         raise ValueError(f"{source}: quantization_config must be an object, got {type(qcfg).__name__}")
     method = qcfg.get("quant_method")
@@ -51,19 +111,21 @@ def checkpoint_format(hf_config: dict, source: str) -> QuantFormat | None:
 
 def resolve_quantization(requested: str | None, hf_config: dict, source: str) -> str | None:
     """Config.quantization: the checkpoint's own format when it has one (`requested` must then be
-    None, the same name or one of vLLM's kernel names for it, as in vLLM), else `requested` (None, or "int8" to quantize at load)."""
+    None, the same name or one of vLLM's kernel names for it, as in vLLM), else `requested` (None, or "int8" to
+    quantize at load). A checkpoint whose config is in AutoGPTQ's / AutoAWQ's own file needs `requested`
+    (find_quantization_config)."""
     if requested is not None and requested not in QUANTIZATIONS:
         raise ValueError(f"quantization={requested!r} is not supported (None, {', '.join(map(repr, QUANTIZATIONS))}; "
                          "a pre-quantized checkpoint's format is read from its config.json)")
-    fmt = checkpoint_format(hf_config, source)
+    fmt = checkpoint_format(hf_config, source, requested)
     if fmt is None:
         if requested not in (None, LOAD_TIME):
             raise ValueError(f"quantization={requested!r} is not supported ({source} has no quantization_config: "
                              "a float checkpoint takes None, or 'int8' to quantize it at load)")
         return requested
     if KERNEL_ALIASES.get(requested, requested) not in (None, fmt.method):
-        raise ValueError(f"quantization={requested!r} disagrees with {source}, whose quantization_config.quant_method "
-                         f"is {fmt.method!r}: pass quantization={fmt.method!r} or None")
+        raise ValueError(f"quantization={requested!r} disagrees with {fmt.source}, whose quantization_config."
+                         f"quant_method is {fmt.method!r}: pass quantization={fmt.method!r} or None")
     return fmt.method
 
 
@@ -137,6 +199,8 @@ class QuantizedCheckpoint:
         assert not pending, f"modules left undecoded: {sorted(pending)[:4]}"  # the headers listed every part
 
 
-def open_checkpoint(model_dir: str, hf_config: dict, files: list[str]) -> QuantizedCheckpoint | None:
-    fmt = checkpoint_format(hf_config, os.path.join(model_dir, "config.json"))
+def open_checkpoint(model_dir: str, hf_config: dict, files: list[str], quantization: str | None = None
+                    ) -> QuantizedCheckpoint | None:
+    """quantization: Config.quantization (resolve_quantization's), which finds a config outside config.json."""
+    fmt = checkpoint_format(hf_config, os.path.join(model_dir, "config.json"), quantization)
     return QuantizedCheckpoint(fmt, files) if fmt is not None else None

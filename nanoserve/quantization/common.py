@@ -1,13 +1,15 @@
 """What the format readers share: the tensors' headers, the errors, bit unpacking and act-order.
 
 A format reader (gptq.py, awq.py, compressed_tensors.py, fp8.py) is built from config.json's
-`quantization_config` (refusing what it cannot run, by field), then for each linear module of the
-checkpoint: `check` its tensors' shapes and dtypes from the file headers (before any weight is
-read) and `decode` them into a QuantizedWeight (or a float weight, for formats run in float).
+`quantization_config` or AutoGPTQ's / AutoAWQ's own file (checkpoint.CONFIG_FILES), refusing what it
+cannot run, by field; then for each linear module of the checkpoint: `check` its tensors' shapes and
+dtypes from the file headers (before any weight is read) and `decode` them into a QuantizedWeight
+(or a float weight, for formats run in float).
 """
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from dataclasses import dataclass
 
@@ -41,7 +43,9 @@ class ModuleSpec:
 
 
 def config_error(source: str, field: str, value, allowed: str) -> ValueError:
-    return ValueError(f"{source}: quantization_config.{field}={value!r} is not supported ({allowed})")
+    # config.json nests the fields under quantization_config; AutoGPTQ's / AutoAWQ's own file holds them at its top
+    where = f"quantization_config.{field}" if os.path.basename(source) == "config.json" else field
+    return ValueError(f"{source}: {where}={value!r} is not supported ({allowed})")
 
 
 def tensor_error(meta: TensorMeta, what: str) -> ValueError:

@@ -44,6 +44,8 @@ class GPTQ(QuantFormat):
         if not isinstance(fmt, str) or fmt not in CHECKPOINT_FORMATS:
             raise config_error(source, "checkpoint_format", fmt, f"one of {', '.join(CHECKPOINT_FORMATS)}")
         self.version = CHECKPOINT_FORMATS[fmt]
+        if qcfg.get("is_marlin_format"):  # older AutoGPTQ's quantize_config.json flag for its Marlin repack
+            raise config_error(source, "is_marlin_format", qcfg["is_marlin_format"], "the Marlin layout is not read")
         self.desc_act = qcfg.get("desc_act", False)
         if not isinstance(self.desc_act, bool):
             raise config_error(source, "desc_act", self.desc_act, "true or false")
@@ -63,7 +65,7 @@ class GPTQ(QuantFormat):
         k, n = qweight.shape[0] * self.per_word, qweight.shape[1]
         group = k if self.group_size == -1 else self.group_size
         groups = -(-k // group)
-        why = f"bits={self.bits}, group_size={self.group_size}, qweight {list(qweight.shape)}"
+        why = f"bits={self.bits}, group_size={self.group_size} as {self.source} declares; qweight {list(qweight.shape)}"
         if n % self.per_word:
             raise ValueError(f"{qweight.path}: tensor {qweight.name!r}: N={n} is not a multiple of "
                              f"{self.per_word}, so qzeros cannot be packed ({why})")
