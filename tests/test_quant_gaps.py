@@ -128,6 +128,21 @@ def test_a_config_outside_config_json_is_checked_like_config_jsons(packed, tmp_p
         LLM(_standalone(awq, tmp_path / "list", {"quant_config.json": [AUTOAWQ]}), quantization="awq", **ENGINE)
 
 
+def test_a_leftover_quantizer_file_beside_float_weights_is_ignored_as_vllm(model_dirs, tmp_path, caplog):
+    float_dir = tmp_path / "dequantized"
+    os.makedirs(float_dir)
+    for name in os.listdir(model_dirs[MODEL]):
+        os.symlink(os.path.join(model_dirs[MODEL], name), os.path.join(float_dir, name))
+    with open(float_dir / "quantize_config.json", "w") as f:
+        json.dump(AUTOGPTQ, f)
+    prompts = _prompts()
+    expected = _tokens(LLM(model_dirs[MODEL], **ENGINE), prompts)
+    with caplog.at_level("WARNING"):
+        llm = LLM(str(float_dir), **ENGINE)
+    assert llm.engine.config.quantization is None and "has float weights" in caplog.text
+    assert _tokens(llm, prompts) == expected
+
+
 # ---- act-order under tensor parallelism ------------------------------------------------------------
 
 

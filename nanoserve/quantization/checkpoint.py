@@ -86,11 +86,20 @@ def find_quantization_config(hf_config: dict, source: str, requested: str | None
     if KERNEL_ALIASES.get(requested, requested) in CONFIG_FILES:
         return _standalone_config(requested, model_dir, source)
     present = [name for name in ALL_CONFIG_FILES if os.path.isfile(os.path.join(model_dir, name))]
-    if present:
+    if present and _has_packed_weights(model_dir):
         raise ValueError(f"{os.path.join(model_dir, present[0])}: a quantized checkpoint's config outside "
                          f"config.json (AutoGPTQ / AutoAWQ) is read with quantization='gptq' or 'awq' given, as in "
                          f"vLLM; got quantization={requested!r}")
+    if present:  # float weights beside a leftover file (e.g. a dequantized copy): vLLM loads them as float too
+        logger.warning("%s ignored: %s has float weights and no quantization_config in config.json",
+                       os.path.join(model_dir, present[0]), model_dir)
     return None
+
+
+def _has_packed_weights(model_dir: str) -> bool:
+    """Whether the directory's safetensors hold GPTQ / AWQ packed weights (a `*.qweight` tensor)."""
+    files = [os.path.join(model_dir, n) for n in sorted(os.listdir(model_dir)) if n.endswith(".safetensors")]
+    return any(name.endswith(".qweight") for name in read_headers(files))
 
 
 def checkpoint_format(hf_config: dict, source: str, requested: str | None = None) -> QuantFormat | None:
