@@ -7,15 +7,16 @@ Two sets of texts, both sides given the same strings and tokenizing them the sam
 sentence-transformers runs at each batch size of `--st-batch-sizes` and its best is compared.
 Each side runs in its fastest dtype here (nanoserve: --dtype, bf16 by default, whose weights run
 the panel GEMM with float32 math on AVX2; sentence-transformers and vLLM: float32 on AVX2-only
-CPUs, where their bf16 `F.linear` crawls, else bf16), `--repeat` times, median. Each side's
+CPUs, where their bf16 `F.linear` crawls, else bf16). The sides run in `--repeat` interleaved
+rounds (each side's corpus and queries, one side after the other, every round), each side's
+median is reported: the machine's speed drifts, and every side sees the same drift. Each side's
 vectors are checked against the other's (min cosine). With no --model the bench builds (once) a random-weight
 checkpoint of Qwen3-Embedding-0.6B's exact shape with sentence-transformers files. With
---compare vllm, vLLM's `runner="pooling"` embeds the same texts, median of --repeat.
+--compare vllm, vLLM's `runner="pooling"` (started first: it compiles for minutes) is one more side.
 """
 from __future__ import annotations
 
 import argparse
-import gc
 import random
 import statistics
 import time
@@ -95,51 +96,69 @@ def _embed(llm: LLM, texts: list[str]) -> tuple[np.ndarray, float, float]:
     return np.array([o.outputs.embedding for o in outs], dtype=np.float32), wall, hit_rate
 
 
-def _st_best(st, texts: list[str], batch_sizes, repeat: int) -> tuple[np.ndarray, int, float, dict]:
-    """(vectors, best batch size, its median wall, every size's median)."""
-    walls: dict[int, float] = {}
-    vectors = None
-    for bs in batch_sizes:
-        runs = []
-        for _ in range(repeat):
-            vectors, wall = _timed(lambda: st.encode(texts, batch_size=bs, convert_to_numpy=True))
-            runs.append(wall)
-        walls[bs] = statistics.median(runs)
-    best = min(walls, key=walls.get)
-    return vectors, best, walls[best], walls
-
-
 def _min_cosine(a: np.ndarray, b: np.ndarray) -> float:
     a = a / np.linalg.norm(a, axis=1, keepdims=True)
     b = b / np.linalg.norm(b, axis=1, keepdims=True)
     return float((a * b).sum(axis=1).min())
 
 
-def _vs_vllm(args: argparse.Namespace, settings, docs: list[str], queries: list[str], report: dict) -> dict:
-    """vLLM's pooling runner on the same texts: docs/s and queries/s, median of --repeat each."""
+def _start_vllm(args: argparse.Namespace, settings, docs: list[str], queries: list[str]):
+    """vLLM's pooling runner on the same texts, started before the rounds (it compiles for minutes);
+    None with the reason printed if it cannot run."""
     peer = make_vllm_peer(args, settings, [], task="embed", payloads=[{"text": d} for d in docs],
                           request_sets={"queries": [{"text": q} for q in queries]})
     try:
         start_vllm(peer)
-        walls: dict[str, list[float]] = {"docs": [], "queries": []}
-        for _ in range(args.repeat):
-            for name in walls:
-                result = peer.run_raw(None if name == "docs" else name)
-                walls[name].append(result["wall_s"])
     except PeerUnavailable as e:
         print(f"[vllm] skipped: {e}", flush=True)
-        return {"skipped": str(e)}
-    finally:
-        peer.close()
-    out = {"version": peer.version, "dtype": peer.settings.dtype,
-           "docs_per_s": len(docs) / statistics.median(walls["docs"]),
-           "queries_per_s": len(queries) / statistics.median(walls["queries"])}
-    out["nanoserve_speedup_docs"] = report["nanoserve_docs_per_s"] / out["docs_per_s"]
-    out["nanoserve_speedup_queries"] = report["nanoserve_queries_per_s_cache_on"] / out["queries_per_s"]
-    print(f"| vLLM {peer.version} pooling ({peer.settings.dtype}) | docs/s {out['docs_per_s']:.2f} (nanoserve "
-          f"{out['nanoserve_speedup_docs']:.2f}x) | queries/s {out['queries_per_s']:.2f} (nanoserve "
-          f"{out['nanoserve_speedup_queries']:.2f}x) |", flush=True)
-    return out
+        return None, str(e)
+    return peer, None
+
+
+def _rounds(args, sides: dict, docs: list[str], queries: list[str]) -> tuple[dict, dict]:
+    """--repeat rounds; in each, every side embeds the corpus and then the queries, one after the
+    other, so a change in the machine's speed (it moves by up to 20% here) reaches every side alike.
+    Returns ({(side, set): [walls]}, each side's last vectors and hit rates)."""
+    walls: dict[tuple[str, str], list[float]] = {}
+    last: dict = {}
+    for r in range(args.repeat):
+        line = []
+        for name, run in sides.items():
+            for set_name, texts in (("docs", docs), ("queries", queries)):
+                if (name, set_name) not in run:
+                    continue
+                result = run[name, set_name](texts)
+                walls.setdefault((name, set_name), []).append(result["wall"])
+                last[name, set_name] = result
+                line.append(f"{name} {set_name} {len(texts) / result['wall']:.2f}/s")
+        print(f"[round {r + 1}/{args.repeat}] " + ", ".join(line), flush=True)
+    return walls, last
+
+
+def _side_runs(llm: LLM, off: LLM, st, sizes, peer) -> dict:
+    """Each side's run functions: texts -> {"wall", and where known "vectors", "hit_rate"}."""
+    def ours(engine):
+        def run(texts):
+            vectors, wall, hit_rate = _embed(engine, texts)
+            return {"wall": wall, "vectors": vectors, "hit_rate": hit_rate}
+        return run
+
+    def st_run(batch_size):
+        def run(texts):
+            vectors, wall = _timed(lambda: st.encode(texts, batch_size=batch_size, convert_to_numpy=True))
+            return {"wall": wall, "vectors": vectors}
+        return run
+
+    def vllm_run(request_set):
+        return lambda texts: {"wall": peer.run_raw(request_set)["wall_s"]}
+
+    sides = {"nanoserve": {("nanoserve", "docs"): ours(llm), ("nanoserve", "queries"): ours(llm)},
+             "nanoserve-cache-off": {("nanoserve-cache-off", "queries"): ours(off)}}
+    for bs in sizes:
+        sides[f"st-batch{bs}"] = {(f"st-batch{bs}", "docs"): st_run(bs), (f"st-batch{bs}", "queries"): st_run(bs)}
+    if peer is not None:
+        sides["vllm"] = {("vllm", "docs"): vllm_run(None), ("vllm", "queries"): vllm_run("queries")}
+    return sides
 
 
 def run_embed_bench(args: argparse.Namespace) -> dict:
@@ -154,6 +173,7 @@ def run_embed_bench(args: argparse.Namespace) -> dict:
                     "model": model}
     print(describe_machine(report["machine"]), flush=True)
     llm = _nanoserve(args, model, dtype, prefix_caching=not args.no_prefix_caching)
+    off = _nanoserve(args, model, dtype, prefix_caching=False)
     report["engine"] = engine_description(llm)
     settings = peer_settings(args, llm) if "vllm" in args.compare else None
     tok = llm.get_tokenizer()
@@ -164,60 +184,71 @@ def run_embed_bench(args: argparse.Namespace) -> dict:
           f"{sum(doc_tokens)} in all) and {len(queries)} queries sharing a "
           f"{len(tok.encode(INSTRUCTION)) - 1}-token instruction; {dtype} on {device}, {torch.get_num_threads()} "
           f"threads; model {model}", flush=True)
-    if not args.no_warmup:
-        llm.embed(docs[:2], use_tqdm=False)
-
-    ours_docs, ours_q_on = [], []
-    for i in range(args.repeat):
-        vecs, wall, _ = _embed(llm, docs)
-        ours_docs.append(wall)
-        q_vecs, q_wall, hit_rate = _embed(llm, queries)
-        ours_q_on.append(q_wall)
-        print(f"[nanoserve] run {i + 1}/{args.repeat}: corpus {len(docs) / wall:.2f} docs/s, queries "
-              f"{len(queries) / q_wall:.2f} q/s (prefix cache hit rate {hit_rate:.1%})", flush=True)
-    del llm
-    gc.collect()
-    off = _nanoserve(args, model, dtype, prefix_caching=False)
-    ours_q_off = []
-    for _ in range(args.repeat):
-        q_off_vecs, q_wall, _ = _embed(off, queries)
-        ours_q_off.append(q_wall)
-    del off
-    gc.collect()
 
     from sentence_transformers import SentenceTransformer
 
     st = SentenceTransformer(model, device=str(device), model_kwargs={"dtype": getattr(torch, st_dtype)})
     sizes = tuple(args.st_batch_sizes or DEFAULT_ST_BATCH_SIZES)
-    st_docs, bs_docs, st_docs_wall, st_doc_walls = _st_best(st, docs, sizes, args.repeat)
-    st_q, bs_q, st_q_wall, _ = _st_best(st, queries, sizes, args.repeat)
-
-    ours_doc_s = len(docs) / statistics.median(ours_docs)
+    peer, peer_skipped = _start_vllm(args, settings, docs, queries) if settings is not None else (None, None)
+    try:
+        if not args.no_warmup:
+            for engine in (llm, off):
+                engine.embed(docs[:2], use_tqdm=False)
+            st.encode(docs[:2], batch_size=2)
+        walls, last = _rounds(args, _side_runs(llm, off, st, sizes, peer), docs, queries)
+    finally:
+        if peer is not None:
+            peer.close()
+    per_s = {key: len(docs if key[1] == "docs" else queries) / statistics.median(w) for key, w in walls.items()}
+    bs_docs = max(sizes, key=lambda bs: per_s[f"st-batch{bs}", "docs"])
+    bs_q = max(sizes, key=lambda bs: per_s[f"st-batch{bs}", "queries"])
+    hit_rate = last["nanoserve", "queries"]["hit_rate"]
     report.update({
-        "nanoserve_docs_per_s": ours_doc_s,
-        "nanoserve_queries_per_s_cache_on": len(queries) / statistics.median(ours_q_on),
-        "nanoserve_queries_per_s_cache_off": len(queries) / statistics.median(ours_q_off),
+        "nanoserve_docs_per_s": per_s["nanoserve", "docs"],
+        "nanoserve_queries_per_s_cache_on": per_s["nanoserve", "queries"],
+        "nanoserve_queries_per_s_cache_off": per_s["nanoserve-cache-off", "queries"],
         "query_prefix_cache_hit_rate": hit_rate,
-        "st_docs_per_s": len(docs) / st_docs_wall, "st_best_batch_size_docs": bs_docs,
-        "st_docs_walls_by_batch_size": st_doc_walls,
-        "st_queries_per_s": len(queries) / st_q_wall, "st_best_batch_size_queries": bs_q,
-        "min_cosine_docs": _min_cosine(vecs, st_docs), "min_cosine_queries": _min_cosine(q_vecs, st_q),
-        "min_cosine_cache_on_vs_off": _min_cosine(q_vecs, q_off_vecs),
+        "st_docs_per_s": per_s[f"st-batch{bs_docs}", "docs"], "st_best_batch_size_docs": bs_docs,
+        "st_docs_per_s_by_batch_size": {bs: per_s[f"st-batch{bs}", "docs"] for bs in sizes},
+        "st_queries_per_s": per_s[f"st-batch{bs_q}", "queries"], "st_best_batch_size_queries": bs_q,
+        "min_cosine_docs": _min_cosine(last["nanoserve", "docs"]["vectors"], last[f"st-batch{bs_docs}", "docs"]["vectors"]),
+        "min_cosine_queries": _min_cosine(last["nanoserve", "queries"]["vectors"],
+                                          last[f"st-batch{bs_q}", "queries"]["vectors"]),
+        "min_cosine_cache_on_vs_off": _min_cosine(last["nanoserve", "queries"]["vectors"],
+                                                  last["nanoserve-cache-off", "queries"]["vectors"]),
     })
-    r = report
-    print(f"\n| median of {args.repeat} | nanoserve ({dtype}) | sentence-transformers ({st_dtype}, best batch) | "
-          f"ratio |\n"
-          f"|---|---|---|---|\n"
-          f"| corpus docs/s | {r['nanoserve_docs_per_s']:.2f} | {r['st_docs_per_s']:.2f} (batch {bs_docs}) | "
-          f"{r['nanoserve_docs_per_s'] / r['st_docs_per_s']:.2f}x |\n"
-          f"| queries/s, prefix cache on | {r['nanoserve_queries_per_s_cache_on']:.2f} | "
-          f"{r['st_queries_per_s']:.2f} (batch {bs_q}) | "
-          f"{r['nanoserve_queries_per_s_cache_on'] / r['st_queries_per_s']:.2f}x |\n"
-          f"| queries/s, prefix cache off | {r['nanoserve_queries_per_s_cache_off']:.2f} | | |")
     if settings is not None:
-        report["vllm"] = _vs_vllm(args, settings, docs, queries, report)
-    cache_ratio = r["nanoserve_queries_per_s_cache_on"] / r["nanoserve_queries_per_s_cache_off"]
-    print(f"prefix cache on vs off (queries): {cache_ratio:.2f}x "
-          f"at hit rate {hit_rate:.1%}; min cosine vs sentence-transformers: docs {r['min_cosine_docs']:.6f}, "
-          f"queries {r['min_cosine_queries']:.6f}")
+        report["vllm"] = {"skipped": peer_skipped} if peer is None else {
+            "version": peer.version, "dtype": peer.settings.dtype,
+            "docs_per_s": per_s["vllm", "docs"], "queries_per_s": per_s["vllm", "queries"],
+            "nanoserve_speedup_docs": per_s["nanoserve", "docs"] / per_s["vllm", "docs"],
+            "nanoserve_speedup_queries": per_s["nanoserve", "queries"] / per_s["vllm", "queries"],
+        }
+    _print_table(report, dtype, st_dtype, args.repeat)
     return finish_report(args, report)
+
+
+def _print_table(r: dict, dtype: str, st_dtype: str, repeat: int) -> None:
+    vllm = r.get("vllm") or {}
+    has_vllm = "docs_per_s" in vllm
+    head = f"| median of {repeat} rounds | nanoserve ({dtype}) | sentence-transformers ({st_dtype}, best batch) |"
+    print("\n" + head + (f" vLLM {vllm['version']} pooling ({vllm['dtype']}) |" if has_vllm else ""))
+    print("|---|---|---|" + ("---|" if has_vllm else ""))
+    st_docs = r["st_docs_per_s"]
+    row = (f"| corpus docs/s | {r['nanoserve_docs_per_s']:.3f} | {st_docs:.3f} (batch {r['st_best_batch_size_docs']}) "
+           f"= nanoserve {r['nanoserve_docs_per_s'] / st_docs:.2f}x |")
+    if has_vllm:
+        row += f" {vllm['docs_per_s']:.3f} = nanoserve {vllm['nanoserve_speedup_docs']:.2f}x |"
+    print(row)
+    st_q = r["st_queries_per_s"]
+    row = (f"| queries/s, prefix cache on ({r['query_prefix_cache_hit_rate']:.1%} hits) | "
+           f"{r['nanoserve_queries_per_s_cache_on']:.2f} | {st_q:.2f} (batch {r['st_best_batch_size_queries']}) "
+           f"= nanoserve {r['nanoserve_queries_per_s_cache_on'] / st_q:.2f}x |")
+    if has_vllm:
+        row += f" {vllm['queries_per_s']:.2f} = nanoserve {vllm['nanoserve_speedup_queries']:.2f}x |"
+    print(row)
+    print(f"| queries/s, prefix cache off | {r['nanoserve_queries_per_s_cache_off']:.2f} | |" + (" |" if has_vllm else ""))
+    cache_ratio = r["nanoserve_queries_per_s_cache_on"] / r["nanoserve_queries_per_s_cache_off"]
+    print(f"prefix cache on vs off (queries): {cache_ratio:.2f}x at hit rate {r['query_prefix_cache_hit_rate']:.1%}; "
+          f"min cosine vs sentence-transformers: docs {r['min_cosine_docs']:.6f}, queries {r['min_cosine_queries']:.6f}",
+          flush=True)
