@@ -123,8 +123,6 @@ class InputProcessor:
                 f"prompt_logprobs={params.prompt_logprobs} exceeds max_logprobs={cfg.max_logprobs}; "
                 "raise LLM(max_logprobs=...) to ask for more"
             )
-        if params.n > cfg.max_num_seqs:
-            raise ValueError(f"n={params.n} exceeds max_num_seqs={cfg.max_num_seqs}")
         if params.seed is not None and params.seed + params.n - 1 >= 2**63:
             raise ValueError(
                 f"seed must be in [0, {2**63 - params.n + 1}) for n={params.n} (sample i uses seed + i, "
