@@ -1,13 +1,17 @@
-"""What vLLM accepts that nanoserve once refused.
+"""Two things vLLM accepts that nanoserve once refused.
 
 1. `SamplingParams(n=k)` with k > max_num_seqs: vLLM fans a request out into k child requests
    that schedule independently, so the samples run in waves. Oracle: the same request under a
-   large max_num_seqs (every output and logprob bit for bit, under batch_invariant), with a KV
-   pool small enough to preempt, then no block left held.
+   large max_num_seqs (under batch_invariant every output and logprob bit for bit with the prefix
+   cache, else greedy tokens exact), with a KV pool small enough to preempt, then no block held.
+2. `logprobs=-1` / `prompt_logprobs=-1`: the whole vocabulary, allowed by `max_logprobs=-1` and
+   refused under the default cap of 20 (vLLM's processor rule). Oracle: HF transformers'
+   float32 log_softmax.
 """
 from __future__ import annotations
 
 import pytest
+import torch
 
 from helpers import assert_no_leak, make_llm, random_prompts
 from nanoserve import LLM, SamplingParams
@@ -138,3 +142,131 @@ def test_n_above_max_num_seqs_through_generate_and_stream(tiny_model):
         assert [c.token_ids for c in got[i].outputs] == [c.token_ids for c in w.outputs]
         assert [c.token_ids for c in streamed[i].outputs] == [c.token_ids for c in w.outputs]
     assert_no_leak(llm)
+
+
+# ---- logprobs = -1 ---------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def _hf_rows(hf, path, tokens) -> torch.Tensor:
+    """[len(tokens), vocab] float32 log_softmax: row p is the distribution of token p + 1."""
+    return torch.log_softmax(hf.model(path)(torch.tensor([tokens])).logits[0].float(), dim=-1)
+
+
+def _assert_whole_vocab(entry: dict, token: int, row: torch.Tensor) -> None:
+    """vLLM's layout: `token` first with its rank, then every token of the vocabulary in rank order,
+    each logprob equal to HF's."""
+    vocab = row.shape[0]
+    assert list(entry)[0] == token and len(entry) == vocab
+    ids = torch.tensor(list(entry))
+    got = torch.tensor([lp.logprob for lp in entry.values()])
+    torch.testing.assert_close(got, row[ids], atol=1e-4, rtol=0)
+    by_rank = sorted(entry.items(), key=lambda e: e[1].rank)
+    assert [lp.rank for _, lp in by_rank] == list(range(1, vocab + 1))
+    values = [lp.logprob for _, lp in by_rank]
+    assert values == sorted(values, reverse=True)
+    # rank: tokens at least as likely; HF values tied within 1e-4 may order either way
+    lo, hi = int((row > row[token] + 1e-4).sum()) + 1, int((row >= row[token] - 1e-4).sum())
+    assert lo <= entry[token].rank <= hi
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.3], ids=["greedy", "seeded"])
+def test_logprobs_minus_one_is_the_whole_vocabulary(tiny_model, hf, temperature):
+    llm = make_llm(tiny_model, max_logprobs=-1)
+    prompt = random_prompts(1, 6, 6, seed=23)[0]
+    params = SamplingParams(temperature=temperature, seed=4, max_tokens=4, ignore_eos=True,
+                            logprobs=-1, prompt_logprobs=-1)
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    sample = out.outputs[0]
+    rows = _hf_rows(hf, tiny_model, prompt + sample.token_ids)
+    assert len(sample.logprobs) == 4
+    for step, (token, entry) in enumerate(zip(sample.token_ids, sample.logprobs, strict=True)):
+        _assert_whole_vocab(entry, token, rows[len(prompt) - 1 + step])
+    assert sample.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(sample.token_ids,
+                                                                                         sample.logprobs)))
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for t in range(1, len(prompt)):
+        _assert_whole_vocab(out.prompt_logprobs[t], prompt[t], rows[t - 1])
+    # the same tokens as a request that asks for a few: -1 changes what is returned, not what is sampled
+    (few,) = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(
+        temperature=temperature, seed=4, max_tokens=4, ignore_eos=True, logprobs=2), use_tqdm=False)
+    assert few.outputs[0].token_ids == sample.token_ids
+    assert_no_leak(llm)
+
+
+def test_minus_one_beside_small_k_in_one_batch(tiny_model):
+    """One step serving k=-1 and k=2: each request gets its own number of entries."""
+    llm = make_llm(tiny_model, max_logprobs=-1)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(2, 5, 9, seed=24)]
+    params = [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=k, prompt_logprobs=k)
+              for k in (-1, 2)]
+    whole, few = llm.generate(prompts, params, use_tqdm=False)
+    vocab = llm.engine.vocab_size
+    assert all(len(e) == vocab for e in whole.outputs[0].logprobs)
+    assert all(len(e) == vocab for e in whole.prompt_logprobs[1:])
+    assert all(2 <= len(e) <= 3 for e in few.outputs[0].logprobs)
+    assert all(2 <= len(e) <= 3 for e in few.prompt_logprobs[1:])
+
+
+@pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
+@pytest.mark.parametrize("max_logprobs", [None, 5])
+def test_minus_one_above_max_logprobs_is_refused_before_any_work(tiny_model, field, max_logprobs):
+    llm = make_llm(tiny_model) if max_logprobs is None else make_llm(tiny_model, max_logprobs=max_logprobs)
+    cap = 20 if max_logprobs is None else max_logprobs  # vLLM's default
+    vocab = llm.engine.vocab_size
+    with pytest.raises(ValueError, match=rf"{field}=-1 \(the whole vocabulary, {vocab}\) exceeds max_logprobs={cap}"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, **{field: -1}), use_tqdm=False)
+    assert_no_leak(llm)
+
+
+def test_max_logprobs_minus_one_caps_at_the_vocabulary(tiny_model):
+    llm = make_llm(tiny_model, max_logprobs=-1)
+    vocab = llm.engine.vocab_size
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1, logprobs=vocab), use_tqdm=False)
+    assert len(out[0].outputs[0].logprobs[0]) == vocab
+    whole = rf"\(the whole vocabulary, {vocab}\)"
+    with pytest.raises(ValueError, match=rf"logprobs={vocab + 1} exceeds max_logprobs=-1 {whole}"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1, logprobs=vocab + 1), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"max_logprobs must be >= 0 or -1 \(no cap"):
+        make_llm(tiny_model, max_logprobs=-3)
+
+
+@pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
+def test_sampling_params_take_minus_one_and_refuse_other_negatives(field):
+    assert getattr(SamplingParams(**{field: -1}), field) == -1
+    with pytest.raises(ValueError, match=rf"{field} must be >= 0, -1 \(the whole vocabulary\) or None, got -2"):
+        SamplingParams(**{field: -2})
+
+
+def test_run_batch_bodies_take_minus_one_where_vllms_server_does(tiny_model):
+    """vLLM's server: chat `top_logprobs` and `prompt_logprobs` may be -1; completions `logprobs`
+    may not. The engine's max_logprobs then decides, as for generate()."""
+    from nanoserve.engine.request_stream import stream_requests
+    from nanoserve.entrypoints.openai_request import RequestBuilder
+    from nanoserve.entrypoints.openai_response import result_record
+
+    llm = make_llm(tiny_model, max_logprobs=-1)
+    builder, tok, vocab = RequestBuilder(llm, tiny_model), llm.get_tokenizer(), llm.engine.vocab_size
+
+    def build(url, body):
+        return builder.build({"method": "POST", "url": url, "body": {"max_tokens": 2, "temperature": 0, **body}})
+
+    chat = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": -1}
+    request = build("/v1/chat/completions", chat)
+    assert request.params.logprobs == -1
+    [(_, out)] = stream_requests(llm.engine, [(0, request)], 1)
+    body = result_record("c", "/v1/chat/completions", out, "m", tok, num_logprobs=-1)["response"]["body"]
+    content = body["choices"][0]["logprobs"]["content"]
+    assert len(content) == 2 and all(len(item["top_logprobs"]) == vocab for item in content)
+    with pytest.raises(ValueError, match="`logprobs` must be set to true"):
+        build("/v1/chat/completions", {**chat, "logprobs": False})
+    with pytest.raises(ValueError, match="`top_logprobs` must be an integer >= 0 or -1"):
+        build("/v1/chat/completions", {**chat, "top_logprobs": -2})
+    with pytest.raises(ValueError, match="`logprobs` must be an integer >= 0"):
+        build("/v1/completions", {"prompt": "hi", "logprobs": -1})
+    assert build("/v1/completions", {"prompt": "hi", "prompt_logprobs": -1}).params.prompt_logprobs == -1
+    echo = build("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 2, "prompt_logprobs": -1})
+    assert echo.params.prompt_logprobs == -1
+    capped = RequestBuilder(make_llm(tiny_model), tiny_model)  # max_logprobs 20: the engine refuses
+    with pytest.raises(ValueError, match="exceeds max_logprobs=20"):
+        capped.build({"method": "POST", "url": "/v1/chat/completions", "body": chat})
