@@ -144,6 +144,30 @@ def test_n_above_max_num_seqs_through_generate_and_stream(tiny_model):
     assert_no_leak(llm)
 
 
+def test_n_above_max_num_seqs_in_a_run_batch_line(tiny_model):
+    """A completions line with two prompts and n=4 on max_num_seqs=2: 8 choices, prompt i's at
+    i * n ... i * n + n - 1 (vLLM's order), each the sample generate() gives."""
+    from nanoserve.engine.request_stream import stream_requests
+    from nanoserve.entrypoints.openai_request import RequestBuilder
+    from nanoserve.entrypoints.openai_response import result_record
+
+    llm = make_llm(tiny_model, max_num_seqs=2, batch_invariant=True)
+    builder = RequestBuilder(llm, tiny_model)
+    prompts = random_prompts(2, 6, 12, seed=25)
+    body = {"prompt": prompts, "n": 4, "max_tokens": 5, "temperature": 0.8, "seed": 9, "ignore_eos": True}
+    line = builder.build({"method": "POST", "url": "/v1/completions", "body": body})
+    results = dict(stream_requests(llm.engine, list(enumerate(line.requests)), 2))
+    outs = [results[i] for i in range(2)]
+    choices = result_record("c", "/v1/completions", outs, "m", llm.get_tokenizer(),
+                            num_logprobs=None)["response"]["body"]["choices"]
+    params = SamplingParams(n=4, max_tokens=5, temperature=0.8, seed=9, ignore_eos=True)
+    want = make_llm(tiny_model, max_num_seqs=16, batch_invariant=True).generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [c["index"] for c in choices] == list(range(8))
+    assert [c["text"] for c in choices] == [s.text for w in want for s in w.outputs]
+    assert_no_leak(llm)
+
+
 # ---- logprobs = -1 ---------------------------------------------------------------------------
 
 
