@@ -51,7 +51,7 @@ class Config:
     tensor_parallel_size: int = 1
     attention_backend: str | type = "auto"  # a name (nanoserve.backends) or a Backend subclass
     seed: int = 0
-    max_logprobs: int = 20  # vLLM's cap on SamplingParams.logprobs (the warm-up sizes memory for it)
+    max_logprobs: int = 20  # vLLM's cap on SamplingParams.logprobs; -1 = none (the warm-up sizes memory for it)
     # Structured outputs: append the tokens a grammar forces (key names, `":`, closing braces)
     # without sampling them (nanoserve/structured/matcher.py). False: every token is sampled, as in vLLM.
     structured_outputs_jump_forward: bool = True
@@ -196,7 +196,7 @@ class Config:
             "num_kvcache_blocks": 1,
             "tensor_parallel_size": 1,
             "seed": 0,
-            "max_logprobs": 0,
+            "max_logprobs": -1,  # -1: no cap (the whole vocabulary), as vLLM
         }
         for name, lo in minimums.items():
             value = getattr(self, name)
@@ -206,7 +206,8 @@ class Config:
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"{name} must be an int, got {value!r}")
             if value < lo:
-                raise ValueError(f"{name} must be >= {lo}, got {value}")
+                allowed = ">= 0 or -1 (no cap: the whole vocabulary)" if name == "max_logprobs" else f">= {lo}"
+                raise ValueError(f"{name} must be {allowed}, got {value}")
 
 
 def canonical_dtype(dtype) -> str:

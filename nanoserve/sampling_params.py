@@ -26,6 +26,8 @@ logger = logging.getLogger(__name__)
 
 # Shown by repr() whatever their value; every other field only when it differs from its default.
 _ALWAYS_SHOWN = ("n", "temperature", "top_p", "top_k", "max_tokens")
+# logprobs / prompt_logprobs / LLM(max_logprobs=...) = -1: the whole vocabulary (vLLM's meaning).
+ALL_LOGPROBS = -1
 # vLLM raises a temperature in (0, _MIN_TEMPERATURE) to it (dividing by less overflows in half precision).
 _MIN_TEMPERATURE = 1e-2
 
@@ -53,7 +55,7 @@ class SamplingParams:
     ignore_eos: bool = False
     max_tokens: int | None = 16
     min_tokens: int = 0
-    logprobs: int | None = None
+    logprobs: int | None = None  # top logprobs per sampled token; -1 = the whole vocabulary
     # Scores of the prompt's own tokens (vLLM's field): the prompt token's logprob and rank plus the top k.
     prompt_logprobs: int | None = None
     # nanoserve's: score only prompt tokens from this index on (a continuation after a shared
@@ -168,10 +170,9 @@ class SamplingParams:
             raise bad("min_tokens", ">= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise bad("logprobs", ">= 0 or None")
-        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
-            raise bad("prompt_logprobs", ">= 0 or None")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and getattr(self, name) < ALL_LOGPROBS:
+                raise bad(name, f">= 0, {ALL_LOGPROBS} (the whole vocabulary) or None")
         if self.prompt_logprobs_start is not None and self.prompt_logprobs_start < 0:
             raise bad("prompt_logprobs_start", ">= 0 or None")
         if self.prompt_logprobs_start is not None and self.prompt_logprobs is None:
@@ -228,6 +229,12 @@ class SamplingParams:
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
+
+
+def num_logprobs(asked: int | None, vocab_size: int) -> int | None:
+    """How many top logprobs `logprobs` / `prompt_logprobs` / `max_logprobs` mean for a model:
+    -1 is its whole vocabulary; None stays None."""
+    return vocab_size if asked == ALL_LOGPROBS else asked
 
 
 def _default(f):

@@ -55,7 +55,7 @@ def test_unknown_kwarg_is_type_error(tiny_model):
         (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
         (dict(enable_chunked_prefill=False, max_num_batched_tokens=16, max_model_len=64), "max_num_batched_tokens"),
         (dict(attention_backend="flash_attn", device="cpu"), "attention_backend"),
-        (dict(max_logprobs=-1), "max_logprobs"),
+        (dict(max_logprobs=-2), "max_logprobs must be >= 0 or -1"),
     ],
 )
 def test_bad_config_values(tiny_model, kwargs, match):
@@ -145,7 +145,7 @@ def test_bad_request_for_this_model_fails_before_any_work(llm, make_params, matc
         (dict(frequency_penalty=-3), "frequency_penalty"),
         (dict(repetition_penalty=0), "repetition_penalty"),
         (dict(min_tokens=5, max_tokens=2), "min_tokens"),
-        (dict(logprobs=-1), "logprobs"),
+        (dict(logprobs=-2), "logprobs must be >= 0, -1"),
         (dict(stop=[""]), "stop"),
         (dict(stop_token_ids=[-1]), "stop_token_ids"),
     ],

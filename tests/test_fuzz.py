@@ -100,8 +100,8 @@ def spoil(draw, params: SamplingParams, llm: LLM) -> None:
     field, value = draw(st.sampled_from([
         ("temperature", -0.5), ("temperature", "hot"), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
         ("min_p", 2.0), ("presence_penalty", 3.0), ("repetition_penalty", 0.0), ("max_tokens", 0),
-        ("max_tokens", 2.5), ("min_tokens", 99), ("min_tokens", -1), ("n", 0), ("n", llm.config.max_num_seqs + 1),
-        ("logprobs", -1), ("seed", -2), ("seed", 2**63), ("stop", [""]), ("stop", [3]),
+        ("max_tokens", 2.5), ("min_tokens", 99), ("min_tokens", -1), ("n", 0),
+        ("logprobs", -2), ("seed", -2), ("seed", 2**63), ("stop", [""]), ("stop", [3]),
         ("stop_token_ids", [llm.engine.vocab_size]), ("stop_token_ids", [-1]), ("ignore_eos", 1),
     ]))
     if field == "min_tokens" and params.max_tokens is None:

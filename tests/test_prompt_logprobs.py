@@ -149,7 +149,7 @@ def test_generate_stream_returns_prompt_logprobs(tiny_model):
 
 
 @pytest.mark.parametrize("kw, message", [
-    (dict(prompt_logprobs=-1), "prompt_logprobs must be >= 0"),
+    (dict(prompt_logprobs=-2), "prompt_logprobs must be >= 0, -1"),
     (dict(prompt_logprobs=1.5), "prompt_logprobs must be an int"),
     (dict(prompt_logprobs_start=2), "prompt_logprobs_start needs prompt_logprobs"),
     (dict(prompt_logprobs=1, prompt_logprobs_start=-1), "prompt_logprobs_start must be >= 0"),
@@ -196,8 +196,8 @@ def test_run_batch_echo_and_prompt_logprobs_as_openai_and_vllm(tiny_model):
     choice = result_record("c", "/v1/completions", out, "m", tok, num_logprobs=None)["response"]["body"]["choices"][0]
     assert choice["prompt_logprobs"][0] is None
     assert choice["prompt_logprobs"][1][str(prompt[1])]["logprob"] == out.prompt_logprobs[1][prompt[1]].logprob
-    with pytest.raises(ValueError, match="`prompt_logprobs` must be an integer >= 0"):
-        builder.build({"method": "POST", "url": "/v1/completions", "body": {**body, "prompt_logprobs": -1}})
+    with pytest.raises(ValueError, match="`prompt_logprobs` must be an integer >= 0 or -1"):
+        builder.build({"method": "POST", "url": "/v1/completions", "body": {**body, "prompt_logprobs": -2}})
 
 
 def test_ray_predictor_rows_ask_for_prompt_logprobs(tiny_model):

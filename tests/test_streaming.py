@@ -79,16 +79,16 @@ def test_bad_items_yield_generates_error_and_the_rest_runs(llm):
 
 def test_per_prompt_params_and_their_errors(llm):
     prompts = random_prompts(4, 3, 10, seed=5)
-    params = [GREEDY, SamplingParams(temperature=0, max_tokens=3), "not params", SamplingParams(n=5)]
+    params = [GREEDY, SamplingParams(temperature=0, max_tokens=3), "not params", SamplingParams(logprobs=21)]
     results = dict(llm.generate_stream(prompts, iter(params), use_tqdm=False))
     expected = llm.generate(prompts[:2], params[:2], use_tqdm=False)
     assert [results[i].outputs[0].token_ids for i in range(2)] == [e.outputs[0].token_ids for e in expected]
     assert len(results[1].outputs[0].token_ids) == 3
     raised = generate_error(llm, prompts, params)
     assert (results[2].message, results[2].error_type) == (str(raised), type(raised))
-    raised = generate_error(llm, prompts[3:], params[3:])  # n=5 > max_num_seqs=4
+    raised = generate_error(llm, prompts[3:], params[3:])  # logprobs=21 > max_logprobs=20
     assert (results[3].message, results[3].error_type) == (str(raised), type(raised))
-    assert "max_num_seqs" in results[3].message
+    assert "max_logprobs" in results[3].message
 
     # Too few params: the prompts left over get an error each; too many: raised at the end.
     short = dict(llm.generate_stream(prompts, [GREEDY], use_tqdm=False))

@@ -16,7 +16,7 @@ from nanoserve.sampling import SamplingSpec
 from nanoserve.sampling.bad_words import bad_words_token_ids
 from nanoserve.engine.pooling_requests import PoolingSpec, validate_pooling_request
 from nanoserve.pooling_params import PoolingParams
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.sampling_params import ALL_LOGPROBS, SamplingParams, num_logprobs
 from nanoserve.structured.manager import StructuredOutputManager
 
 # tokenization_kwargs keys nanoserve honours (they go to tokenizer.encode).
@@ -113,18 +113,7 @@ class InputProcessor:
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"{name} token ids must be in [0, {vocab}) (the model's vocab_size), got {bad[:5]}")
-        if params.logprobs is not None and params.logprobs > cfg.max_logprobs:
-            raise ValueError(
-                f"logprobs={params.logprobs} exceeds max_logprobs={cfg.max_logprobs}; "
-                "raise LLM(max_logprobs=...) to ask for more"
-            )
-        if params.prompt_logprobs is not None and params.prompt_logprobs > cfg.max_logprobs:
-            raise ValueError(
-                f"prompt_logprobs={params.prompt_logprobs} exceeds max_logprobs={cfg.max_logprobs}; "
-                "raise LLM(max_logprobs=...) to ask for more"
-            )
-        if params.n > cfg.max_num_seqs:
-            raise ValueError(f"n={params.n} exceeds max_num_seqs={cfg.max_num_seqs}")
+        self._check_num_logprobs(params)
         if params.seed is not None and params.seed + params.n - 1 >= 2**63:
             raise ValueError(
                 f"seed must be in [0, {2**63 - params.n + 1}) for n={params.n} (sample i uses seed + i, "
@@ -133,3 +122,18 @@ class InputProcessor:
         self.structured.check(params)
         words = bad_words_token_ids(params.bad_words, self.tokenizer, vocab) if params.bad_words else ()
         return SamplingSpec.from_params(params, vocab, self.eos_token_ids, words)
+
+    def _check_num_logprobs(self, params: SamplingParams) -> None:
+        """vLLM's rule: -1 asks for the whole vocabulary, and max_logprobs=-1 allows at most that."""
+        def shown(name: str, value: int) -> str:
+            whole = f" (the whole vocabulary, {self.vocab_size})" if value == ALL_LOGPROBS else ""
+            return f"{name}={value}{whole}"
+
+        cap = num_logprobs(self.config.max_logprobs, self.vocab_size)
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and num_logprobs(asked, self.vocab_size) > cap:
+                raise ValueError(
+                    f"{shown(name, asked)} exceeds {shown('max_logprobs', self.config.max_logprobs)}; "
+                    "raise LLM(max_logprobs=...) to ask for more (-1: the whole vocabulary)"
+                )

@@ -142,7 +142,7 @@ class LLMEngine:
         self.structured.attach(seqs, detokenizers, params)  # a matcher per sample, + forced start tokens
         self.requests[request_id] = Request(
             request_id, prompt, list(prompt_token_ids), params, seqs, detokenizers, RequestMetrics(time.perf_counter()),
-            prompt_logprobs=PromptLogprobsRecord.for_request(prompt_token_ids, params),
+            prompt_logprobs=PromptLogprobsRecord.for_request(prompt_token_ids, params, spec.prompt_logprobs),
         )
         self.scheduler.add(seqs[0])
         return request_id
@@ -228,7 +228,7 @@ class LLMEngine:
         # vLLM's layout: the sampled token first with its rank in the vocabulary, then the top k
         # with ranks 1..k (a sampled token among them keeps its place first and takes its top-k rank).
         entry = {token: Logprob(out.logprobs[i], out.ranks[i])}
-        top = list(out.top_logprobs[i].items())[: seq.params.logprobs]
+        top = list(out.top_logprobs[i].items())[: seq.sampling_spec.logprobs]  # -1 resolved to the vocabulary
         for rank, (t, lp) in enumerate(top, start=1):
             entry[t] = Logprob(lp, rank)
         seq.logprobs.append(entry)

@@ -305,13 +305,13 @@ def score_prompts(batch: ScheduledBatch, logits: torch.Tensor) -> list[PromptLog
     if not spans:
         return []
     targets = [batch.seqs[i].token_ids[p + 1] for i, positions in spans for p in positions]
-    k = max(batch.seqs[i].params.prompt_logprobs for i, _ in spans)
+    k = max(batch.seqs[i].sampling_spec.prompt_logprobs for i, _ in spans)
     scores = score_tokens(logits, torch.tensor(targets, device=logits.device), k)
     logprobs, ranks = scores.logprobs.tolist(), scores.ranks.tolist()
     topk_ids, topk_logprobs = scores.topk_ids.tolist(), scores.topk_logprobs.tolist()
     chunks, at = [], 0
     for i, positions in spans:
-        own_k = batch.seqs[i].params.prompt_logprobs
+        own_k = batch.seqs[i].sampling_spec.prompt_logprobs
         end = at + len(positions)
         chunks.append(PromptLogprobsChunk(
             i, positions.start, logprobs[at:end], ranks[at:end],

@@ -81,10 +81,11 @@ class PromptLogprobsRecord:
     scores: dict[int, tuple[float, int, list[int], list[float]]] = field(default_factory=dict)
 
     @classmethod
-    def for_request(cls, prompt_token_ids: list[int], params) -> PromptLogprobsRecord | None:
-        if params.prompt_logprobs is None:
+    def for_request(cls, prompt_token_ids: list[int], params, num_logprobs: int | None) -> PromptLogprobsRecord | None:
+        """`num_logprobs`: the request's k for this model (SamplingSpec.prompt_logprobs: -1 resolved)."""
+        if num_logprobs is None:
             return None
-        return cls(list(prompt_token_ids), params.prompt_logprobs, max(params.prompt_logprobs_start or 1, 1))
+        return cls(list(prompt_token_ids), num_logprobs, max(params.prompt_logprobs_start or 1, 1))
 
     def record(self, chunk: PromptLogprobsChunk) -> None:
         for i, (lp, rank, ids, lps) in enumerate(

@@ -98,7 +98,9 @@ class Scheduler:
         budget = self.max_num_batched_tokens - sum(num_new)
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if len(self.running) + 1 + len(seq.children) > self.max_num_seqs:
+            # Room for its unforked samples too, so they start beside it; a request with more
+            # samples than max_num_seqs waits for an empty batch and runs the rest in waves.
+            if len(self.running) + min(1 + len(seq.children), self.max_num_seqs) > self.max_num_seqs:
                 break
             computed = self.block_manager.get_computed_blocks(seq)
             n = seq.num_tokens - computed.num_tokens
@@ -160,13 +162,19 @@ class Scheduler:
         return done
 
     def _fork_children(self, parent: Sequence) -> None:
-        """Start a request's other n-1 samples on the parent's prompt blocks."""
+        """Start a request's other n-1 samples on the parent's prompt blocks, as many as
+        max_num_seqs leaves room for. The rest wait at the head of the queue in sample order, as
+        vLLM's child requests do, and are admitted like any prompt (sharing it through the prefix
+        cache): each sample's tokens depend only on its own seed, so waves change no output."""
         at = self.running.index(parent) + 1
-        for child in parent.children:
+        room = max(self.max_num_seqs - len(self.running), 0)
+        forked, rest = parent.children[:room], parent.children[room:]
+        for child in forked:
             child.num_computed_tokens = self.block_manager.fork(parent, child)
             child.num_cached_tokens = parent.num_cached_tokens
             child.status = SequenceStatus.RUNNING
-        self.running[at:at] = parent.children
+        self.running[at:at] = forked
+        self.waiting.extendleft(reversed(rest))
         parent.children = []
 
     def abort_all(self) -> None:

@@ -55,7 +55,7 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.first_token_time: float | None = None
         # The request's other n-1 samples; they start on this sequence's prompt blocks once its
-        # prompt is computed (see Scheduler._fork_children).
+        # prompt is computed, those past max_num_seqs from the queue (see Scheduler._fork_children).
         self.children: list[Sequence] = []
         # Structured outputs: the grammar matcher (nanoserve/structured/matcher.py), set by the engine.
         self.matcher = None

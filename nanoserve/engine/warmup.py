@@ -8,7 +8,7 @@ from __future__ import annotations
 from nanoserve.engine.scheduler import ScheduledBatch
 from nanoserve.engine.sequence import Sequence
 from nanoserve.sampling import SamplingRow, SamplingSpec
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.sampling_params import SamplingParams, num_logprobs
 
 # The sampler's most memory-hungry path: penalties ([B, V] tables), top-p (a full sort may be
 # needed) and the most logprobs the engine allows (Config.max_logprobs).
@@ -37,7 +37,7 @@ def decode_batch(num_seqs: int, num_blocks: int) -> ScheduledBatch:
 
 def sampling_rows(num_rows: int, vocab_size: int, max_logprobs: int) -> list[SamplingRow]:
     params = HEAVIEST_SAMPLING.clone()
-    params.logprobs = min(max_logprobs, vocab_size)
+    params.logprobs = min(num_logprobs(max_logprobs, vocab_size), vocab_size)
     spec = SamplingSpec.from_params(params, vocab_size, [])
     return [SamplingRow(spec, i, [i % vocab_size] * 8, 4) for i in range(num_rows)]
 

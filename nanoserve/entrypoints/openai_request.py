@@ -18,7 +18,7 @@ from typing import Any
 from nanoserve.entrypoints.openai_embeddings import EMBEDDINGS_URL, EmbeddingLine, build_embedding_requests
 from nanoserve.llm import LLM
 from nanoserve.chat import render_conversations
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.sampling_params import ALL_LOGPROBS, SamplingParams
 from nanoserve.engine.input_processor import EngineRequest
 from nanoserve.structured.openai import structured_outputs_from_body
 
@@ -198,22 +198,25 @@ class RequestBuilder:
         """vLLM's server: `prompt_logprobs` as given; completions with `echo` and `logprobs` score
         the prompt with the same k (the OpenAI echo format lm-eval's local-completions reads)."""
         asked = body.get("prompt_logprobs")
-        if asked is not None and (not isinstance(asked, int) or isinstance(asked, bool) or asked < 0):
-            raise ValueError(f"`prompt_logprobs` must be an integer >= 0, got {asked!r}")
+        if asked is not None and (not isinstance(asked, int) or isinstance(asked, bool) or asked < ALL_LOGPROBS):
+            raise ValueError(f"`prompt_logprobs` must be an integer >= 0 or -1 (the whole vocabulary), got {asked!r}")
         if not chat and _flag(body, "echo", False) and logprobs is not None:
-            return max(asked or 0, logprobs)
+            return ALL_LOGPROBS if ALL_LOGPROBS in (asked, logprobs) else max(asked or 0, logprobs)
         return asked
 
     @staticmethod
     def _logprobs(body: dict, chat: bool) -> int | None:
-        if not chat:
-            return body.get("logprobs")  # Completions: the number of top logprobs, or null
+        if not chat:  # Completions: the number of top logprobs, or null; vLLM's server takes no -1 here
+            asked = body.get("logprobs")
+            if isinstance(asked, int) and not isinstance(asked, bool) and asked < 0:
+                raise ValueError(f"`logprobs` must be an integer >= 0, got {asked!r}")
+            return asked  # other types: SamplingParams names the field
         top = body.get("top_logprobs")
         top = 0 if top is None else top
-        if not isinstance(top, int) or isinstance(top, bool) or top < 0:
-            raise ValueError(f"`top_logprobs` must be an integer >= 0, got {top!r}")
+        if not isinstance(top, int) or isinstance(top, bool) or top < ALL_LOGPROBS:
+            raise ValueError(f"`top_logprobs` must be an integer >= 0 or -1 (the whole vocabulary), got {top!r}")
         wants = _flag(body, "logprobs", False)
-        if top > 0 and not wants:
+        if top != 0 and not wants:
             raise ValueError("when using `top_logprobs`, `logprobs` must be set to true.")
         return top if wants else None
 

@@ -16,6 +16,7 @@ from nanoserve.entrypoints.openai_request import CHAT_URL, ModelNotFoundError
 from nanoserve.engine.input_processor import RequestError
 from nanoserve.entrypoints.openai_embeddings import embeddings_body
 from nanoserve.outputs import CompletionOutput, Logprob, PoolingRequestOutput, RequestOutput
+from nanoserve.sampling_params import ALL_LOGPROBS
 
 # vLLM's floor for -inf logprobs, which JSON cannot carry.
 _MIN_LOGPROB = -9999.0
@@ -31,7 +32,7 @@ def result_record(custom_id: str, url: str, out: RequestOutput | list[RequestOut
     `prompt_only` (completions `echo` with `max_tokens` 0): each choice is the prompt, as vLLM's.
     `num_logprobs`: the request's k (SamplingParams.logprobs), the length of each top_logprobs list."""
     outs = out if isinstance(out, list) else [out]
-    k = num_logprobs or 0
+    k = None if num_logprobs == ALL_LOGPROBS else num_logprobs or 0  # None: every entry, the whole vocabulary
     if url == CHAT_URL:
         (out,) = outs
         body = _chat_body(out, model, tokenizer, k)
@@ -83,7 +84,7 @@ def _usage(*outs: RequestOutput) -> dict:
     }
 
 
-def _chat_body(out: RequestOutput, model: str, tokenizer, k: int) -> dict:
+def _chat_body(out: RequestOutput, model: str, tokenizer, k: int | None) -> dict:
     choices = [
         {
             "index": c.index,
@@ -104,7 +105,7 @@ def _chat_body(out: RequestOutput, model: str, tokenizer, k: int) -> dict:
     }
 
 
-def _completion_body(outs: list[RequestOutput], model: str, tokenizer, k: int, echo: bool = False,
+def _completion_body(outs: list[RequestOutput], model: str, tokenizer, k: int | None, echo: bool = False,
                      prompt_only: bool = False) -> dict:
     """vLLM's CompletionResponse: prompt i's n choices have indices i * n ... i * n + n - 1."""
     choices = []
@@ -140,7 +141,7 @@ def _top(step: dict[int, Logprob], k: int | None) -> list[tuple[int, Logprob]]:
     return sorted(((t, lp) for t, lp in step.items() if k is None or lp.rank <= k), key=lambda e: e[1].rank)
 
 
-def _chat_logprobs(c: CompletionOutput, tokenizer, k: int) -> dict | None:
+def _chat_logprobs(c: CompletionOutput, tokenizer, k: int | None) -> dict | None:
     if c.logprobs is None:
         return None
 
@@ -156,7 +157,7 @@ def _chat_logprobs(c: CompletionOutput, tokenizer, k: int) -> dict | None:
     return {"content": content}
 
 
-def _completion_logprobs(c: CompletionOutput, tokenizer, k: int) -> dict | None:
+def _completion_logprobs(c: CompletionOutput, tokenizer, k: int | None) -> dict | None:
     if c.logprobs is None:
         return None
     result: dict[str, list] = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
@@ -186,7 +187,7 @@ def _prompt_logprobs(out: RequestOutput) -> list[dict | None] | None:
     ]
 
 
-def _echo_logprobs(out: RequestOutput, c: CompletionOutput, tokenizer, k: int,
+def _echo_logprobs(out: RequestOutput, c: CompletionOutput, tokenizer, k: int | None,
                    with_completion: bool = True) -> dict | None:
     """OpenAI completions `echo` + `logprobs`: the prompt's tokens first (token_logprobs and
     top_logprobs null for the first), then the completion's, text_offset running over both."""

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from nanoserve.sampling.bad_words import banned_tokens
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.sampling_params import SamplingParams, num_logprobs
 
 if TYPE_CHECKING:
     from nanoserve.structured.matcher import SequenceMatcher
@@ -41,12 +41,13 @@ class SamplingSpec:
     repetition_penalty: float  # 1.0 = off
     frequency_penalty: float  # 0.0 = off
     presence_penalty: float  # 0.0 = off
-    logprobs: int | None  # top logprobs to return, at most vocab_size; None = none asked
+    logprobs: int | None  # top logprobs to return, at most vocab_size (-1 asked: vocab_size); None = none asked
     min_tokens: int  # the suppressed ids are masked while fewer tokens than this were generated
     suppressed_token_ids: tuple[int, ...]  # stop ids + EOS (unless ignore_eos); () if min_tokens == 0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits
     allowed_token_ids: tuple[int, ...] | None = None  # every other token is masked; None = all allowed
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # bad_words.py: each one's last token is banned
+    prompt_logprobs: int | None = None  # top logprobs per scored prompt token, as `logprobs`
 
     @classmethod
     def from_params(cls, params: SamplingParams, vocab_size: int, eos_token_ids: list[int],
@@ -70,17 +71,23 @@ class SamplingSpec:
             repetition_penalty=params.repetition_penalty,
             frequency_penalty=params.frequency_penalty,
             presence_penalty=params.presence_penalty,
-            logprobs=None if params.logprobs is None else min(params.logprobs, vocab_size),
+            logprobs=_top_k(params.logprobs, vocab_size),
             min_tokens=params.min_tokens,
             suppressed_token_ids=suppressed,
             logit_bias=tuple((params.logit_bias or {}).items()),
             allowed_token_ids=None if params.allowed_token_ids is None else tuple(params.allowed_token_ids),
             bad_words_token_ids=bad_words_token_ids,
+            prompt_logprobs=_top_k(params.prompt_logprobs, vocab_size),
         )
 
     @property
     def has_filter(self) -> bool:
         return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+
+def _top_k(asked: int | None, vocab_size: int) -> int | None:
+    """The number of top logprobs a request gets: at most the vocabulary, -1 = all of it."""
+    return None if asked is None else min(num_logprobs(asked, vocab_size), vocab_size)
 
 
 class SamplingRow(NamedTuple):
