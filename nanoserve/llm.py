@@ -26,7 +26,7 @@ from nanoserve.pooling.api import POOLING_TASKS, params_per_prompt
 from nanoserve.pooling.score import cosine_scores, score_sides
 from nanoserve.pooling_params import PoolingParams
 from nanoserve.progress import ProgressBar
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.sampling_params import SamplingParams, num_logprobs
 from nanoserve.structured.openai import with_guided_options
 
 # Arguments older vLLM versions' generate() took; accepted when they ask for nothing.
@@ -126,7 +126,7 @@ class LLM:
         refuse_unless_off("beam_search()", "lora_request", lora_request, (None,), NO_LORA)
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
-        if 2 * params.beam_width > self.config.max_logprobs:
+        if 2 * params.beam_width > num_logprobs(self.config.max_logprobs, self.engine.vocab_size):
             raise ValueError(
                 f"beam_width={params.beam_width} takes {2 * params.beam_width} logprobs a step, more than "
                 f"max_logprobs={self.config.max_logprobs}; raise LLM(max_logprobs=...)"

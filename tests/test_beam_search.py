@@ -110,3 +110,6 @@ def test_bad_requests_fail_before_work(tiny_model):
         llm.beam_search([good], {"beam_width": 2})
     assert llm.engine._next_request_id == next_id
     assert_no_leak(llm)
+    uncapped = make_llm(tiny_model, max_model_len=32, max_logprobs=-1)  # vLLM's "no cap": the whole vocabulary
+    (out,) = uncapped.beam_search([good], BeamSearchParams(11, 2))
+    assert len(out.sequences) == 11
