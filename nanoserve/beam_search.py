@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from nanoserve.outputs import Logprob
@@ -102,7 +103,7 @@ def run_beam_search(
     each beam's candidate dict for its next token (None if it could not grow). A beam that reached
     max_model_len is finished (vLLM drops it; here every prompt keeps an output)."""
     instances = [BeamSearchInstance(tokens) for tokens in prompt_tokens]
-    key = lambda beam: beam_score(beam, eos_token_id, params.length_penalty)  # noqa: E731
+    key = partial(beam_score, eos_token_id=eos_token_id, length_penalty=params.length_penalty)
     for start in range(0, len(instances), concurrency_limit):
         batch = instances[start : start + concurrency_limit]
         for _ in range(params.max_tokens):
