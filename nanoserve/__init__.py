@@ -1,4 +1,5 @@
 """nanoserve: a small, fast offline batch LLM inference engine."""
+from nanoserve.arg_utils import EngineArgs
 from nanoserve.config import Config
 from nanoserve.engine.input_processor import RequestError
 from nanoserve.inputs import TextPrompt, TokensPrompt
@@ -21,6 +22,6 @@ __all__ = [
     "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "Logprob", "Config",
     "TextPrompt", "TokensPrompt", "RequestError", "StructuredOutputsParams", "GuidedDecodingParams",
     "PoolingParams", "PoolerConfig", "PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput",
-    "EmbeddingRequestOutput",
+    "EmbeddingRequestOutput", "EngineArgs",
 ]
 __version__ = "0.1.0"
