@@ -677,3 +677,51 @@ def test_reproducibility_example(tiny_model):
     # Unlike vLLM (whose example prints a random number to show it moved the user's random state),
     # nanoserve leaves the global random state alone: its seeds are its own.
     assert random.getstate() == state
+
+
+# ---- examples/offline_inference/openai_batch/ --------------------------------------------------
+
+OPENAI_EXAMPLE_BATCH = [  # openai_example_batch.jsonl, one dict per line
+    {"custom_id": "request-1", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"model": "meta-llama/Meta-Llama-3-8B-Instruct",
+              "messages": [{"role": "system", "content": "You are a helpful assistant."},
+                           {"role": "user", "content": "Hello world!"}], "max_completion_tokens": 1000}},
+    {"custom_id": "request-2", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"model": "meta-llama/Meta-Llama-3-8B-Instruct",
+              "messages": [{"role": "system", "content": "You are an unhelpful assistant."},
+                           {"role": "user", "content": "Hello world!"}], "max_completion_tokens": 1000}},
+]
+
+
+def test_openai_batch_example(tiny_model, tmp_path):
+    """`python -m vllm.entrypoints.openai.run_batch -i openai_example_batch.jsonl -o results.jsonl
+    --model ...` is `nanoserve run-batch` with the same flags; the file's model id becomes the tiny
+    checkpoint's path and max_completion_tokens 1000 becomes 8."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from nanoserve.cli import main
+
+    requests = tmp_path / "openai_example_batch.jsonl"
+    lines = json.loads(json.dumps(OPENAI_EXAMPLE_BATCH))
+    for line in lines:
+        line["body"].update(model=tiny_model, max_completion_tokens=8)
+    requests.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    results = tmp_path / "results.jsonl"
+    assert main(["run-batch", "-i", str(requests), "-o", str(results), "--model", tiny_model,
+                 "--max-model-len", "256", "--no-progress-bar"]) == 0
+
+    records = sorted((json.loads(r) for r in results.read_text().splitlines()), key=lambda r: r["custom_id"])
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    assert [r["custom_id"] for r in records] == ["request-1", "request-2"]
+    for line, record in zip(lines, records):
+        assert record["error"] is None and record["response"]["status_code"] == 200
+        body = record["response"]["body"]
+        text = tokenizer.apply_chat_template(line["body"]["messages"], add_generation_prompt=True, tokenize=False)
+        prompt = tokenizer.encode(text, add_special_tokens=False)
+        choice = body["choices"][0]
+        assert body["object"] == "chat.completion" and choice["message"]["role"] == "assistant"
+        assert body["usage"]["prompt_tokens"] == len(prompt)
+        assert 1 <= body["usage"]["completion_tokens"] <= 8
+        assert choice["finish_reason"] == "length" or body["usage"]["completion_tokens"] < 8
