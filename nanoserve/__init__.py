@@ -2,6 +2,7 @@
 from nanoserve.arg_utils import EngineArgs
 from nanoserve.config import Config
 from nanoserve.engine.input_processor import RequestError
+from nanoserve.engine_api import LLMEngine
 from nanoserve.inputs import TextPrompt, TokensPrompt
 from nanoserve.llm import LLM
 from nanoserve.outputs import (
@@ -22,6 +23,6 @@ __all__ = [
     "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "Logprob", "Config",
     "TextPrompt", "TokensPrompt", "RequestError", "StructuredOutputsParams", "GuidedDecodingParams",
     "PoolingParams", "PoolerConfig", "PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput",
-    "EmbeddingRequestOutput", "EngineArgs",
+    "EmbeddingRequestOutput", "EngineArgs", "LLMEngine",
 ]
 __version__ = "0.1.0"
