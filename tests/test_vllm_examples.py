@@ -725,3 +725,122 @@ def test_openai_batch_example(tiny_model, tmp_path):
         assert body["usage"]["prompt_tokens"] == len(prompt)
         assert 1 <= body["usage"]["completion_tokens"] <= 8
         assert choice["finish_reason"] == "length" or body["usage"]["completion_tokens"] < 8
+
+
+# ---- examples/offline_inference/llm_engine_example.py ------------------------------------------
+
+
+def test_llm_engine_example(tiny_model, hf, capsys):
+    """LLMEngine driven by hand, with logprobs and prompt_logprobs (vLLM >= 0.8's version); run as
+    `python llm_engine_example.py --model TINY --dtype float32` (float32: compared with HF)."""
+    import argparse
+
+    from nanoserve import LLMEngine, RequestOutput
+    from nanoserve.utils import FlexibleArgumentParser
+
+    def create_test_prompts() -> list[tuple[str, SamplingParams]]:
+        """Create a list of test prompts with their sampling parameters."""
+        return [
+            (
+                "A robot may not injure a human being",
+                SamplingParams(temperature=0.0, logprobs=1, prompt_logprobs=1),
+            ),
+            (
+                "To be or not to be,",
+                SamplingParams(temperature=0.8, top_k=5, presence_penalty=0.2),
+            ),
+            (
+                "What is the meaning of life?",
+                SamplingParams(n=2, temperature=0.8, top_p=0.95, frequency_penalty=0.1),
+            ),
+        ]
+
+    seen: list[RequestOutput] = []  # the test's: every output step() returned
+
+    def process_requests(engine: LLMEngine, test_prompts: list[tuple[str, SamplingParams]]):
+        """Continuously process a list of prompts and handle the outputs."""
+        request_id = 0
+
+        print("-" * 50)
+        while test_prompts or engine.has_unfinished_requests():
+            if test_prompts:
+                prompt, sampling_params = test_prompts.pop(0)
+                engine.add_request(str(request_id), prompt, sampling_params)
+                request_id += 1
+
+            request_outputs: list[RequestOutput] = engine.step()
+            seen.extend(request_outputs)
+
+            for request_output in request_outputs:
+                if request_output.finished:
+                    print(request_output)
+                    print("-" * 50)
+
+    def initialize_engine(args: argparse.Namespace) -> LLMEngine:
+        """Initialize the LLMEngine from the command line arguments."""
+        engine_args = EngineArgs.from_cli_args(args)
+        return LLMEngine.from_engine_args(engine_args)
+
+    def parse_args(argv):
+        parser = FlexibleArgumentParser(
+            description="Demo on using the LLMEngine class directly"
+        )
+        parser = EngineArgs.add_cli_args(parser)
+        return parser.parse_args(argv)
+
+    args = parse_args(["--model", tiny_model, "--dtype", "float32", "--max-model-len", "128"])
+    engine = initialize_engine(args)
+    process_requests(engine, create_test_prompts())
+
+    finished = {o.request_id: o for o in seen if o.finished}
+    assert sorted(finished) == ["0", "1", "2"] and not engine.has_unfinished_requests()
+    assert capsys.readouterr().out.count("RequestOutput(request_id=") == 3
+    assert [len(finished[i].outputs) for i in "012"] == [1, 1, 2]
+    # Running requests came back each step with their output so far (vLLM's cumulative outputs).
+    for request_id, done in finished.items():  # one a step, from the first token to the one before the last
+        running = sum(o.request_id == request_id and not o.finished for o in seen)
+        assert running == max(len(c.token_ids) for c in done.outputs) - 1 > 0
+    for o in seen:
+        if not o.finished:
+            final = finished[o.request_id].outputs
+            assert all(final[c.index].token_ids[: len(c.token_ids)] == c.token_ids for c in o.outputs)
+    # Request 0: greedy, with the sampled token's and the prompt tokens' logprobs: HF's.
+    greedy = finished["0"]
+    prompt, sample = greedy.prompt_token_ids, greedy.outputs[0]
+    assert sample.token_ids == hf.greedy(tiny_model, prompt, len(sample.token_ids))
+    reference = hf.logprobs(tiny_model, prompt, sample.token_ids)
+    for i, (token, step) in enumerate(zip(sample.token_ids, sample.logprobs)):
+        assert step[token].rank == 1 and step[token].logprob == pytest.approx(float(reference[i, token]), abs=1e-4)
+    prompt_reference = hf.logprobs(tiny_model, prompt[:1], prompt[1:])
+    assert greedy.prompt_logprobs[0] is None and len(greedy.prompt_logprobs) == len(prompt)
+    for i, (token, step) in enumerate(zip(prompt[1:], greedy.prompt_logprobs[1:])):
+        assert step[token].logprob == pytest.approx(float(prompt_reference[i, token]), abs=1e-4)
+
+
+def test_llm_engine_request_ids_abort_and_refusals(tiny_model):
+    from nanoserve import LLMEngine
+
+    engine = LLMEngine.from_engine_args(EngineArgs(model=tiny_model, dtype="float32", max_model_len=128))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine.add_request("a", "Hello", params)
+    engine.add_request("b", [5, 6, 7], params)
+    with pytest.raises(ValueError, match="'a' is already running"):
+        engine.add_request("a", "Hello", params)
+    with pytest.raises(ValueError, match="lora_request"):
+        engine.add_request("c", "Hello", params, lora_request=object())
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.add_request("c", "Hello", SamplingParams(max_tokens=0))
+    engine.abort_request("a")
+    assert engine.get_num_unfinished_requests() == 1
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert {o.request_id for o in outputs} == {"b"} and outputs[-1].finished
+    want = LLM(tiny_model, dtype="float32", max_model_len=128).generate({"prompt_token_ids": [5, 6, 7]}, params)
+    assert outputs[-1].outputs[0].token_ids == want[0].outputs[0].token_ids
+    engine.add_request("a", "Hello", params)  # a finished or aborted id may be used again
+    assert engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="EngineArgs.model"):
+        LLMEngine.from_engine_args(EngineArgs(dtype="float32"))
+    with pytest.raises(TypeError, match="max_num_seq"):
+        EngineArgs(model=tiny_model, max_num_seq=3)
