@@ -844,3 +844,52 @@ def test_llm_engine_request_ids_abort_and_refusals(tiny_model):
         LLMEngine.from_engine_args(EngineArgs(dtype="float32"))
     with pytest.raises(TypeError, match="max_num_seq"):
         EngineArgs(model=tiny_model, max_num_seq=3)
+
+
+# ---- examples/offline_inference/distributed.py (Ray Data, vLLM 0.6-0.8) ------------------------
+
+
+def test_ray_data_distributed_example_predictor(tiny_model):
+    """The example defines its own LLMPredictor around `LLM`; Ray Data calls it with each batch as
+    a dict of numpy columns (`batch["text"]` an array of str), which is what this test does.
+    Starting Ray around it (read_text, map_batches(..., concurrency=1), take) gave the same rows,
+    but takes ~20 s; tests/test_ray.py covers Ray itself with nanoserve's own predictor."""
+    from typing import Dict  # noqa: UP035 (the example's spelling)
+
+    import numpy as np
+
+    # Create a sampling params object.
+    sampling_params = SamplingParams(temperature=0.8, top_p=0.95)
+
+    # Set tensor parallelism per instance.
+    tensor_parallel_size = 1
+
+    # Create a class to do batch inference.
+    class LLMPredictor:
+
+        def __init__(self):
+            # Create an LLM.
+            self.llm = LLM(model=tiny_model,  # was: "meta-llama/Llama-2-7b-chat-hf"
+                           tensor_parallel_size=tensor_parallel_size)
+
+        def __call__(self, batch: Dict[str, np.ndarray]) -> Dict[str, list]:
+            # Generate texts from the prompts.
+            # The output is a list of RequestOutput objects that contain the prompt,
+            # generated text, and other information.
+            outputs = self.llm.generate(batch["text"], sampling_params)
+            prompt: list[str] = []
+            generated_text: list[str] = []
+            for output in outputs:
+                prompt.append(output.prompt)
+                generated_text.append(' '.join([o.text for o in output.outputs]))
+            return {
+                "prompt": prompt,
+                "generated_text": generated_text,
+            }
+
+    lines = ["Hello, my name is", "The president of the United States is", "The capital of France is"]
+    for column in (np.array(lines), np.array(lines, dtype=object)):  # Arrow strings / pandas objects
+        result = LLMPredictor()({"text": column})
+        # A fresh engine (seed 0) draws the same per-request seeds for the same list.
+        want = LLM(model=tiny_model).generate(lines, sampling_params, use_tqdm=False)
+        assert result == {"prompt": lines, "generated_text": [w.outputs[0].text for w in want]}
