@@ -86,7 +86,11 @@ class LLMEngine:
             del self._ids[request_id]
 
     def step(self) -> list[RequestOutput | PoolingRequestOutput]:
-        stats = self.engine.step()
+        try:
+            stats = self.engine.step()
+        except BaseException:
+            self._ids.clear()  # a failed step drops every request in flight (LLMEngine.step)
+            raise
         finished = {out.request_id: out for out in stats.finished}
         running = [rid for rid in dict.fromkeys(e.request_id for e in stats.entries if e.sampled)
                    if rid not in finished and rid in self.engine.requests]

@@ -846,6 +846,21 @@ def test_llm_engine_request_ids_abort_and_refusals(tiny_model):
         EngineArgs(model=tiny_model, max_num_seq=3)
 
 
+def test_llm_engine_embeds(embedding_model):
+    from nanoserve import LLMEngine
+
+    engine = LLMEngine.from_engine_args(EngineArgs(model=embedding_model, runner="pooling", dtype="float32"))
+    texts = ["Follow the white rabbit.", "Folge dem weißen Kaninchen."]
+    for i, text in enumerate(texts):
+        engine.add_request(f"doc-{i}", text, PoolingParams())
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert sorted(o.request_id for o in outputs) == ["doc-0", "doc-1"] and all(o.finished for o in outputs)
+    vectors = torch.stack([o.outputs.data for o in sorted(outputs, key=lambda o: o.request_id)])
+    torch.testing.assert_close(vectors, hf_last_token_embeddings(embedding_model, texts), atol=1e-4, rtol=1e-4)
+
+
 # ---- examples/offline_inference/distributed.py (Ray Data, vLLM 0.6-0.8) ------------------------
 
 
