@@ -640,6 +640,15 @@ def test_flexible_argument_parser_takes_both_spellings():
         "task": "embed", "trust_remote_code": True, "enforce_eager": False}
     with pytest.raises(SystemExit):  # an unknown flag is argparse's usage error, as in vLLM
         parser.parse_args(["--max-num-sequences", "3"])
+    # Every flag is a keyword LLM takes, and each of vLLM's other names for a Config field has one.
+    from nanoserve.arg_utils import _VLLM_ONLY_FLAGS
+    from nanoserve.config import Config
+    from nanoserve.engine_args import RENAMED, RUNNER_ALIASES, valid_names
+
+    dests = {a.dest for a in parser._actions} - {"help"}
+    assert dests <= valid_names() | {"model"}
+    assert dests >= Config.field_names() | set(RENAMED) | set(RUNNER_ALIASES) | {"model"}
+    assert not set(_VLLM_ONLY_FLAGS) & Config.field_names()
 
 
 # ---- examples/offline_inference/reproducibility.py ---------------------------------------------
