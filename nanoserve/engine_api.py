@@ -26,7 +26,8 @@ from nanoserve.sampling_params import SamplingParams
 
 
 class LLMEngine:
-    """vLLM's LLMEngine: add_request / step / has_unfinished_requests / abort_request.
+    """vLLM's LLMEngine: add_request / step / has_unfinished_requests / abort_request /
+    reset_prefix_cache.
 
     step() returns an output for every request that got a token in the step: the running ones
     with their text and tokens so far (vLLM's default, cumulative outputs) and `finished=False`,
@@ -84,6 +85,19 @@ class LLMEngine:
         self.engine.abort_request(ours)
         for request_id in ours:
             del self._ids[request_id]
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Drop every cached block; as vLLM's, False (and nothing dropped) while requests hold blocks.
+        `reset_connector`: nanoserve has no KV connector, so there is nothing more to reset."""
+        if self.engine.is_finished():
+            self.engine.reset_prefix_cache()
+            return True
+        if reset_running_requests:
+            raise ValueError(
+                "reset_prefix_cache(reset_running_requests=True) is not supported: nanoserve does not preempt "
+                "running requests to reset the cache; call it when has_unfinished_requests() is False"
+            )
+        return False
 
     def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         try:

@@ -847,8 +847,13 @@ def test_llm_engine_request_ids_abort_and_refusals(tiny_model):
     assert {o.request_id for o in outputs} == {"b"} and outputs[-1].finished
     want = LLM(tiny_model, dtype="float32", max_model_len=128).generate({"prompt_token_ids": [5, 6, 7]}, params)
     assert outputs[-1].outputs[0].token_ids == want[0].outputs[0].token_ids
+    assert engine.reset_prefix_cache() is True
     engine.add_request("a", "Hello", params)  # a finished or aborted id may be used again
     assert engine.has_unfinished_requests()
+    # vLLM's llm_engine_reset_kv.py resets with a request running; nanoserve does not preempt for it.
+    assert engine.reset_prefix_cache() is False
+    with pytest.raises(ValueError, match="reset_running_requests"):
+        engine.reset_prefix_cache(reset_running_requests=True)
     with pytest.raises(ValueError, match="EngineArgs.model"):
         LLMEngine.from_engine_args(EngineArgs(dtype="float32"))
     with pytest.raises(TypeError, match="max_num_seq"):
