@@ -3,7 +3,9 @@
 test_vllm_compat.py runs examples/offline_inference/basic/{basic,generate,chat}.py; here are the
 examples for the other features nanoserve has: structured outputs (both API generations),
 prefix caching, embeddings (basic/embed.py, Matryoshka, Qwen3-Embedding's instruct-style
-snippet), the argparse-driven basic scripts (EngineArgs.add_cli_args), reproducibility.py.
+snippet), the argparse-driven basic scripts (EngineArgs.add_cli_args), llm_engine_example.py
+(LLMEngine, logprobs, prompt_logprobs), reproducibility.py, the Ray Data predictor of
+distributed.py and the openai_batch/ file.
 
 Each test copies the example's code as vLLM writes it, `vllm` replaced by `nanoserve` in the
 imports; what the miniature changes is said where it happens: a tiny local random checkpoint for
