@@ -1,7 +1,9 @@
 """nanoserve: a small, fast offline batch LLM inference engine."""
+from nanoserve.arg_utils import EngineArgs
 from nanoserve.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from nanoserve.config import Config
 from nanoserve.engine.input_processor import RequestError
+from nanoserve.engine_api import LLMEngine
 from nanoserve.inputs import TextPrompt, TokensPrompt
 from nanoserve.llm import LLM
 from nanoserve.outputs import (
@@ -28,6 +30,6 @@ __all__ = [
     "PoolingParams", "PoolerConfig", "PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput",
     "EmbeddingRequestOutput", "ScoringOutput", "ScoringRequestOutput",
     "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "ClassificationOutput",
-    "ClassificationRequestOutput",
+    "ClassificationRequestOutput", "EngineArgs", "LLMEngine",
 ]
 __version__ = "0.1.0"

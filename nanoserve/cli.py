@@ -25,8 +25,11 @@ def _value_parser(annotation: str) -> Callable[[str], object] | None:
     return json.loads  # lists, dicts, unions: written as JSON on the command line
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine options (the keyword arguments of LLM; unset ones keep its defaults)")
+def add_engine_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """Add the engine flags to `parser`, in a group of their own; handed a group (as vLLM's
+    EngineArgs.add_cli_args can be), into that group."""
+    group = parser if isinstance(parser, argparse._ArgumentGroup) else parser.add_argument_group(
+        "engine options (the keyword arguments of LLM; unset ones keep its defaults)")
     names = Config.field_names()
     for f in fields(Config):
         if f.name not in names:

@@ -53,6 +53,8 @@ def as_prompt_list(prompts) -> list:
     """Any accepted `prompts` of `generate` -> a list with one prompt per entry."""
     if isinstance(prompts, (str, dict)):
         return [prompts]
+    if type(prompts).__module__ == "numpy" and getattr(prompts, "ndim", None) == 1:
+        prompts = prompts.tolist()  # a column of a Ray Data / pandas batch, as vLLM's examples pass it
     if not isinstance(prompts, Sequence) or isinstance(prompts, bytes):
         raise TypeError(f"prompts must be a str, a list of str, token ids or prompt dicts; got {type(prompts).__name__}")
     if not prompts:

@@ -276,6 +276,13 @@ class LLMEngine:
             return True
         return False
 
+    def output_so_far(self, request_id: str) -> RequestOutput:
+        """A running request's output: its samples' text and tokens so far, `finished=False`
+        (what vLLM's LLMEngine.step returns for a request still running)."""
+        out = self._make_output(self.requests[request_id])
+        out.finished = False
+        return out
+
     def _make_output(self, request: Request) -> RequestOutput:
         outputs = []
         for seq, detok in zip(request.seqs, request.detokenizers):
