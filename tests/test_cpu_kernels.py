@@ -92,10 +92,11 @@ def test_decode_kernel_bf16_io_is_the_float32_result_rounded(name):
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_varlen_long_queries_run_sdpa_per_sequence(dtype):
-    # Past VARLEN_MAX_Q query tokens: SDPA per sequence, is_causal without a prefix or after a short
-    # one (dummy query rows in front), a mask after a long one.
-    n = ca.VARLEN_MAX_Q
-    seqs = [(n + 5, n + 5), (n + 1, n + 40), (3, 3), (1, 17), (2 * n, 2 * n), (n + 10, n + 12), (2 * n, 3 * n)]
+    # Past VARLEN_MAX_Q query tokens: SDPA per sequence and per block of SDPA_Q_BLOCK query rows,
+    # with and without a cached prefix, a block boundary on and off the last row.
+    n, q_block = ca.VARLEN_MAX_Q, ca.SDPA_Q_BLOCK
+    seqs = [(n + 5, n + 5), (n + 1, n + 40), (3, 3), (1, 17), (2 * n, 2 * n), (n + 10, n + 12), (2 * n, 3 * n),
+            (2 * q_block, 2 * q_block), (2 * q_block + 7, 2 * q_block + 30), (q_block + 1, q_block + 1)]
     b = make_paged_batch(seqs, 8, 2, 32, 8, dtype=DTYPES[dtype])
     got = ca.varlen_sdpa_per_sequence(
         b["q"], b["k_cache"], b["v_cache"], b["cu_seqlens_q"], b["context_lens"], b["block_tables"], b["scale"]

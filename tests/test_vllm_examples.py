@@ -3,7 +3,7 @@
 test_vllm_compat.py runs examples/offline_inference/basic/{basic,generate,chat}.py; here are the
 examples for the other features nanoserve has: structured outputs (both API generations),
 prefix caching, embeddings (basic/embed.py, Matryoshka, Qwen3-Embedding's instruct-style
-snippet), the argparse-driven basic scripts (EngineArgs.add_cli_args), llm_engine_example.py
+snippet), classification (basic/classify.py), the argparse-driven basic scripts (EngineArgs.add_cli_args), llm_engine_example.py
 (LLMEngine, logprobs, prompt_logprobs), reproducibility.py, the Ray Data predictor of
 distributed.py and the openai_batch/ file.
 
@@ -406,6 +406,55 @@ def test_embed_example(embedding_model, capsys):
     torch.testing.assert_close(vectors, reference, atol=1e-4, rtol=1e-4)
     printed = re.findall(r"^Embeddings: .* \(size=(\d+)\)$", capsys.readouterr().out, flags=re.M)
     assert printed == [str(reference.shape[1])] * len(prompts)
+
+
+def test_classify_example(tmp_path, capsys):
+    """basic/classify.py (vLLM >= 0.11): a Qwen2 sequence classifier through llm.classify."""
+    from argparse import Namespace
+
+    from nanoserve.utils.argparse_utils import FlexibleArgumentParser
+    from nanoserve.utils.tiny_classifier import build_tiny_classifier_checkpoint
+
+    model = build_tiny_classifier_checkpoint(tmp_path / "apeach", "qwen2", seed=3, num_labels=2)
+
+    def parse_args(argv):
+        parser = FlexibleArgumentParser()
+        parser = EngineArgs.add_cli_args(parser)
+        # Set example specific arguments
+        parser.set_defaults(
+            model=model,  # was: "jason9693/Qwen2.5-1.5B-apeach" (a Qwen2ForSequenceClassification)
+            runner="pooling",
+            enforce_eager=True,
+        )
+        return parser.parse_args(argv)
+
+    def main(args: Namespace):
+        prompts = [
+            "Hello, my name is",
+            "The president of the United States is",
+            "The capital of France is",
+            "The future of AI is",
+        ]
+        llm = LLM(**vars(args))
+        outputs = llm.classify(prompts)
+        print("\nGenerated Outputs:\n" + "-" * 60)
+        for prompt, output in zip(prompts, outputs):
+            probs = output.outputs.probs
+            probs_trimmed = (str(probs[:16])[:-1] + ", ...]" if len(probs) > 16 else probs)
+            print(f"Prompt: {prompt!r} \nClass Probabilities: {probs_trimmed} (size={len(probs)})")
+            print("-" * 60)
+        return prompts, outputs
+
+    prompts, outputs = main(parse_args(["--dtype", "float32"]))
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    hf = AutoModelForSequenceClassification.from_pretrained(model, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    with torch.inference_mode():
+        expected = [hf(**tokenizer(p, return_tensors="pt")).logits[0].softmax(-1) for p in prompts]
+    for output, probs in zip(outputs, expected):
+        torch.testing.assert_close(torch.tensor(output.outputs.probs), probs, atol=1e-5, rtol=1e-4)
+    assert capsys.readouterr().out.count("(size=2)") == len(prompts)
 
 
 def test_embed_matryoshka_example(embedding_model):

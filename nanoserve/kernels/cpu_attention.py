@@ -19,6 +19,7 @@ from nanoserve.kernels.trace import traced
 # Measured on a 2-core AVX2 CPU: from ~64 query tokens per sequence SDPA on the gathered copy wins.
 VARLEN_MAX_Q = 32
 TILE = 32  # query tokens per prefill work item: each K/V row widened once serves TILE * G query rows
+SDPA_Q_BLOCK = 64  # query rows per SDPA call of a long prefill (best of 32-128 at 128-512 tokens)
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -148,9 +149,12 @@ def varlen_sdpa_per_sequence(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks]
     scale: float,
 ) -> torch.Tensor:
-    """SDPA once per sequence on its own blocks, in float32: no padding to the longest sequence,
-    and a prompt without cached prefix runs is_causal, which lets SDPA skip the masked half.
-    (paged_attention_varlen_torch pads every sequence to the longest and masks explicitly.)"""
+    """SDPA per sequence on its own blocks, in float32, no padding to the longest sequence
+    (paged_attention_varlen_torch pads every sequence to the longest and masks explicitly), and
+    per block of SDPA_Q_BLOCK query rows against the keys up to the block's last position only.
+    torch's CPU flash kernel skips masked keys in blocks of 512 at best, so one causal call over a
+    prompt of up to 512 tokens computes the whole square: the query blocks skip ~40% of that work
+    (1.2-1.35x faster attention at 256-512 tokens on 2 Zen 1 cores, the same below)."""
     block_size = k_cache.shape[1]
     dtype = torch.float32
     out = torch.empty(q.shape, dtype=dtype)
@@ -166,14 +170,11 @@ def varlen_sdpa_per_sequence(
         v = v_cache.index_select(0, ids).flatten(0, 1)[:ctx].to(dtype).transpose(0, 1)[None]
         qs = q[start:end].to(dtype).transpose(0, 1)[None]  # [1, H, q_len, D]
         past = ctx - q_len  # cached tokens before the chunk: query i sits at position past + i
-        if past <= q_len // 2:
-            # SDPA's causal path skips the masked half and beats an explicit mask by ~2x here, even
-            # with `past` dummy query rows in front (a prompt after a short prefix-cache hit).
-            if past:
-                qs = torch.cat([qs.new_zeros(1, qs.shape[1], past, qs.shape[3]), qs], dim=2)
-            o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)[:, :, past:]
-        else:
-            visible = torch.arange(ctx)[None, :] <= torch.arange(past, ctx)[:, None]
-            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=visible, scale=scale, enable_gqa=True)
-        out[start:end] = o[0].transpose(0, 1)
+        for first in range(0, q_len, SDPA_Q_BLOCK):
+            last = min(first + SDPA_Q_BLOCK, q_len)
+            keys = past + last  # what the block's last query sees
+            visible = torch.arange(keys)[None, :] <= torch.arange(past + first, keys)[:, None]
+            o = F.scaled_dot_product_attention(qs[:, :, first:last], k[:, :, :keys], v[:, :, :keys],
+                                               attn_mask=visible, scale=scale, enable_gqa=True)
+            out[start + first : start + last] = o[0].transpose(0, 1)
     return out.to(q.dtype)
