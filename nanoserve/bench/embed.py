@@ -76,8 +76,10 @@ def _timed(fn):
 
 
 def _nanoserve(args, model: str, dtype: str, prefix_caching: bool) -> LLM:
+    # 1 GiB of KV holds the whole default corpus: the bench keeps two engines, sentence-transformers
+    # and vLLM in memory at once, and the CPU default (4 GiB each) left vLLM's process to the OOM killer.
     kwargs = dict(device=args.device, dtype=dtype, runner="pooling", enable_prefix_caching=prefix_caching,
-                  max_model_len=args.max_model_len or 1024, seed=args.seed)
+                  max_model_len=args.max_model_len or 1024, seed=args.seed, cpu_kvcache_space_gib=1.0)
     for key, arg in (("max_num_seqs", "max_num_seqs"), ("max_num_batched_tokens", "max_num_batched_tokens"),
                      ("num_kvcache_blocks", "num_kvcache_blocks"), ("kvcache_block_size", "block_size")):
         if getattr(args, arg) is not None:
