@@ -1,6 +1,6 @@
 """nanoserve: a small, fast offline batch LLM inference engine."""
 from nanoserve.arg_utils import EngineArgs
-from nanoserve.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from nanoserve.beam_search import BeamSearchOutput, BeamSearchSequence
 from nanoserve.config import Config
 from nanoserve.engine.input_processor import RequestError
 from nanoserve.engine_api import LLMEngine
@@ -22,7 +22,7 @@ from nanoserve.outputs import (
 )
 from nanoserve.pooling.config import PoolerConfig
 from nanoserve.pooling_params import PoolingParams
-from nanoserve.sampling_params import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
+from nanoserve.sampling_params import BeamSearchParams, GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "Logprob", "Config",

@@ -9,38 +9,13 @@ step recomputes at most a block per beam.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 from nanoserve.outputs import Logprob
-
-
-@dataclass
-class BeamSearchParams:
-    """vLLM's BeamSearchParams. `include_stop_str_in_output` is accepted and has no effect, as in
-    vLLM's offline beam search."""
-
-    beam_width: int
-    max_tokens: int
-    ignore_eos: bool = False
-    temperature: float = 0.0
-    length_penalty: float = 1.0
-    include_stop_str_in_output: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("beam_width", "max_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        for name in ("temperature", "length_penalty"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+from nanoserve.sampling_params import BeamSearchParams
 
 
 @dataclass

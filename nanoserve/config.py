@@ -10,7 +10,7 @@ import torch
 from nanoserve.backends import BACKEND_NAMES as ATTENTION_BACKENDS
 from nanoserve.checkpoint import read_json
 from nanoserve.models import model_class, sliding_window
-from nanoserve.pooling.config import PoolerConfig, Pooling, resolve_pooling, resolve_runner
+from nanoserve.pooling.config import PoolerConfig, Pooling, check_pooling_task, resolve_pooling, resolve_runner
 from nanoserve.quantization.checkpoint import resolve_quantization
 
 logger = logging.getLogger(__name__)
@@ -64,6 +64,9 @@ class Config:
     quantization: str | None = None
     # "generate", "pooling" (embeddings: nanoserve/pooling) or "auto" (by architecture name, as vLLM).
     runner: str = "auto"
+    # the pooling task vLLM's task= / convert= asked for ("embed", "classify"), checked against the
+    # architecture; None: the architecture's (nanoserve/pooling/config.py)
+    pooling_task: str | None = None
     pooler_config: PoolerConfig | dict | None = None  # overrides the checkpoint's pooling (runner="pooling")
     # vLLM's hf_overrides (a dict): config.json fields replaced before anything reads them, e.g.
     # {"is_matryoshka": True} for Qwen3-Embedding's Matryoshka sizes, as vLLM's docs show.
@@ -121,6 +124,10 @@ class Config:
         sentence-transformers checkpoint's max_seq_length is its default max_model_len (as vLLM's)."""
         self.runner = resolve_runner(self.runner, self.hf_config, source)
         self.pooler_config = PoolerConfig.coerce(self.pooler_config)
+        if self.pooling_task not in (None, "embed", "classify"):
+            raise ValueError(f"pooling_task must be None, 'embed' or 'classify', got {self.pooling_task!r}")
+        if self.pooling_task is not None and self.runner != "pooling":
+            raise ValueError(f"pooling_task={self.pooling_task!r} needs runner='pooling', got runner={self.runner!r}")
         if self.runner != "pooling":
             if self.pooler_config is not None:
                 raise ValueError("pooler_config is only used with runner='pooling'")
@@ -128,6 +135,7 @@ class Config:
         if self.tensor_parallel_size > 1:
             raise ValueError("runner='pooling' runs with tensor_parallel_size=1 only")
         self.pooling = resolve_pooling(self.model, self.hf_config, self.pooler_config)
+        check_pooling_task(self.pooling_task, self.pooling, self.hf_config["architectures"][0], source)
         if not max_model_len_given and self.pooling.max_seq_length is not None:
             self.max_model_len = min(self.max_model_len, self.pooling.max_seq_length)
 

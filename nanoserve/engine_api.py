@@ -103,7 +103,10 @@ class LLMEngine:
         try:
             stats = self.engine.step()
         except BaseException:
-            self._ids.clear()  # a failed step drops every request in flight (LLMEngine.step)
+            # Every request in flight is dropped, blocks freed: the model run's failures abort them
+            # already; one after it (stop checks, detokenizing) would otherwise leave them half done.
+            self.engine.abort_all()
+            self._ids.clear()
             raise
         finished = {out.request_id: out for out in stats.finished}
         running = [rid for rid in dict.fromkeys(e.request_id for e in stats.entries if e.sampled)

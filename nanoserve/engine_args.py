@@ -138,8 +138,11 @@ def resolve_engine_args(kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[st
     """
     _check_names(kwargs)
     kwargs = dict(kwargs)
-    runner = runner_from_vllm_args(kwargs.pop("runner", None), kwargs.pop("task", None), kwargs.pop("convert", None))
+    runner, pooling_task = runner_from_vllm_args(kwargs.pop("runner", None), kwargs.pop("task", None),
+                                                 kwargs.pop("convert", None))
     config_kwargs: dict[str, Any] = {} if runner is None else {"runner": runner}
+    if pooling_task is not None:
+        config_kwargs["pooling_task"] = pooling_task
     ignored: list[str] = []
     for name, value in kwargs.items():
         if name in REFUSED:

@@ -7,14 +7,14 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from nanoserve.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
+from nanoserve.beam_search import BeamSearchOutput, run_beam_search
 from nanoserve.chat import render_conversations
 from nanoserve.config import Config
 from nanoserve.engine.input_processor import RequestError, encode_kwargs
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.request_stream import default_max_inflight, stream_requests
 from nanoserve.engine_args import NO_LORA, log_no_effect_once, refuse_unless_off, resolve_engine_args
-from nanoserve.inputs import PromptType, TokensPrompt, as_prompt_list
+from nanoserve.inputs import PromptType, TokensPrompt, as_prompt_list, parse_prompt
 from nanoserve.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -22,11 +22,11 @@ from nanoserve.outputs import (
     RequestOutput,
     ScoringRequestOutput,
 )
-from nanoserve.pooling.api import POOLING_TASKS, params_per_prompt
-from nanoserve.pooling.score import cosine_scores, score_sides
+from nanoserve.pooling.api import check_task, params_per_prompt
+from nanoserve.pooling.score import cosine_scores, cross_encoder_prompts, pair_score, score_sides
 from nanoserve.pooling_params import PoolingParams
 from nanoserve.progress import ProgressBar
-from nanoserve.sampling_params import SamplingParams, num_logprobs
+from nanoserve.sampling_params import BeamSearchParams, SamplingParams, num_logprobs
 from nanoserve.structured.openai import with_guided_options
 
 # Arguments older vLLM versions' generate() took; accepted when they ask for nothing.
@@ -126,15 +126,14 @@ class LLM:
         refuse_unless_off("beam_search()", "lora_request", lora_request, (None,), NO_LORA)
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
-        if 2 * params.beam_width > num_logprobs(self.config.max_logprobs, self.engine.vocab_size):
-            raise ValueError(
-                f"beam_width={params.beam_width} takes {2 * params.beam_width} logprobs a step, more than "
-                f"max_logprobs={self.config.max_logprobs}; raise LLM(max_logprobs=...)"
-            )
-        if concurrency_limit is not None and (isinstance(concurrency_limit, bool) or not isinstance(concurrency_limit, int)
-                                              or concurrency_limit < 1):
+        cap = num_logprobs(self.config.max_logprobs, self.engine.vocab_size)
+        if 2 * params.beam_width > cap:
+            raise ValueError(f"beam_width={params.beam_width} takes {2 * params.beam_width} logprobs a step, more than "
+                             f"max_logprobs allows ({cap}); raise LLM(max_logprobs=...)")
+        limit_ok = isinstance(concurrency_limit, int) and not isinstance(concurrency_limit, bool) and concurrency_limit > 0
+        if concurrency_limit is not None and not limit_ok:
             raise ValueError(f"concurrency_limit must be an integer >= 1 or None, got {concurrency_limit!r}")
-        tokens = [self._beam_prompt_tokens(prompt) for prompt in as_prompt_list(prompts)]
+        tokens = [self._beam_prompt_tokens(prompt, i) for i, prompt in enumerate(as_prompt_list(prompts))]
         step_params = SamplingParams(logprobs=2 * params.beam_width, max_tokens=1, temperature=params.temperature)
 
         def generate_step(beams: list[list[int]]) -> list:
@@ -154,14 +153,10 @@ class LLM:
                 beam.text = tokenizer.decode(beam.tokens)
         return [BeamSearchOutput(sequences=instance.completed) for instance in instances]
 
-    def _beam_prompt_tokens(self, prompt: PromptType) -> list[int]:
+    def _beam_prompt_tokens(self, prompt: PromptType, i: int) -> list[int]:
         """A beam search prompt's token ids (text tokenized as vLLM's beam search does), checked."""
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids = list(prompt["prompt_token_ids"])
-        elif isinstance(prompt, (dict, str)):
-            ids = self.get_tokenizer().encode(prompt["prompt"] if isinstance(prompt, dict) else prompt)
-        else:
-            ids = list(prompt)
+        text, ids = parse_prompt(prompt, i)
+        ids = ids if ids is not None else self.get_tokenizer().encode(text)
         vocab = self.engine.vocab_size
         if not ids or len(ids) > self.config.max_model_len:
             raise ValueError(f"a beam search prompt needs 1 to max_model_len={self.config.max_model_len} tokens, "
@@ -310,13 +305,7 @@ class LLM:
     ) -> list[PoolingRequestOutput]:
         """Like `embed` / `classify`, each result's `.outputs.data` a float32 tensor; pooling_task
         "embed" or "classify", the engine's (None: whichever it is)."""
-        if pooling_task not in (None, *POOLING_TASKS):
-            raise ValueError(f"pooling_task must be one of {POOLING_TASKS} (or None), got {pooling_task!r}")
-        pooling = self.config.pooling
-        if pooling_task is not None and pooling is not None and pooling_task != pooling.task:
-            model, call = ("a sequence classifier", "classify()") if pooling.task == "classify" else (
-                "an embedding model", "embed()")
-            raise ValueError(f"pooling_task={pooling_task!r}: this LLM's model is {model}; use llm.{call}")
+        check_task(self.config.pooling, pooling_task)
         refuse_unless_off("encode()", "lora_request", lora_request, (None,), NO_LORA)
         prompts = as_prompt_list(prompts)
         params = params_per_prompt(pooling_params, len(prompts), truncate_prompt_tokens)
@@ -334,14 +323,22 @@ class LLM:
         lora_request: Any = None,
         tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[ScoringRequestOutput]:
-        """Similarity of each pair <data_1, data_2> (1:1, 1:N or N:N): the cosine of their embeddings,
-        as vLLM scores with an embedding model. `.outputs.score` is a float, in pair order."""
-        if self.config.runner != "pooling" or self.config.pooling.task != "embed":
-            raise ValueError("LLM.score() needs an embedding model (LLM(model, runner='pooling')); cross-encoder "
-                             "scoring with a sequence classifier is not supported")
+        """Score of each pair <data_1, data_2> (1:1, 1:N or N:N), as vLLM scores: with an embedding
+        model the cosine of the two embeddings, with a one-label sequence classifier (a cross-encoder
+        reranker) its probability for the pair tokenized together. `.outputs.score` is a float, in
+        pair order."""
+        pooling = self.config.pooling
+        if pooling is None or (pooling.task == "classify" and pooling.num_labels != 1):
+            raise ValueError("LLM.score() needs an embedding model or a one-label sequence classifier "
+                             "(LLM(model, runner='pooling')); this one "
+                             + ("generates" if pooling is None else f"has num_labels={pooling.num_labels}"))
         if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
             raise TypeError(f"pooling_params must be PoolingParams or None, got {type(pooling_params).__name__}")
         left, right = score_sides(data_1, data_2)
+        if pooling.task == "classify":
+            pairs = cross_encoder_prompts(self.get_tokenizer(), left, right, tokenization_kwargs)
+            outs = self.encode(pairs, pooling_params, use_tqdm, truncate_prompt_tokens, lora_request, "classify")
+            return [pair_score(out) for out in outs]
         encoded = self.encode(left + right, pooling_params, use_tqdm, truncate_prompt_tokens, lora_request,
                               tokenization_kwargs=tokenization_kwargs)
         pad_token_id = getattr(self.get_tokenizer(), "pad_token_id", None)
@@ -361,6 +358,7 @@ class LLM:
         if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
             raise TypeError(f"embed_stream takes one PoolingParams for every prompt (or None), got "
                             f"{type(pooling_params).__name__}")
+        check_task(self.config.pooling, "embed")
         (params,) = params_per_prompt(pooling_params, 1, truncate_prompt_tokens)
         return _as_embeddings(self.generate_stream(prompts, params, max_inflight=max_inflight, use_tqdm=use_tqdm))
 

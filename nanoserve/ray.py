@@ -71,16 +71,11 @@ class LLMPredictor:
         if task_type not in TASK_TYPES:
             raise ValueError(f"task_type must be one of {TASK_TYPES}, got {task_type!r}")
         self.embed = task_type != "generate"  # a pooling task: embed or classify
-        if self.embed:
-            engine_kwargs = {"runner": "pooling", **(engine_kwargs or {})}
+        if self.embed:  # Config checks the task against the checkpoint before any weight is read
+            engine_kwargs = {"runner": "pooling", "pooling_task": task_type, **(engine_kwargs or {})}
         self.pooling_params = dict(pooling_params or {})
         PoolingParams(**self.pooling_params)
         self.llm = LLM(model, **(engine_kwargs or {}))
-        pooling = self.llm.config.pooling
-        if pooling is not None and pooling.task != task_type:
-            self.llm.close()
-            raise ValueError(f"task_type={task_type!r}, but {model} is a {pooling.task} model: "
-                             f"pass task_type={pooling.task!r}")
         self.sampling_params = dict(sampling_params or {})
         SamplingParams(**self.sampling_params)  # a bad shared value fails here, once, not per row
         self.chat_template_kwargs = dict(chat_template_kwargs or {})

@@ -9,7 +9,6 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from nanoserve.beam_search import BeamSearchParams  # noqa: F401 -- where vLLM's scripts import it from
 from nanoserve.structured.params import GuidedDecodingParams, StructuredOutputsParams, coerce
 
 
@@ -240,3 +239,28 @@ def num_logprobs(asked: int | None, vocab_size: int) -> int | None:
 def _default(f):
     # After validate(), None lists are stored as []: compare against that normalised form.
     return [] if f.name in ("stop", "stop_token_ids") else f.default
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's BeamSearchParams, for `LLM.beam_search` (nanoserve/beam_search.py).
+    `include_stop_str_in_output` is accepted and has no effect, as in vLLM's offline beam search."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("temperature", "length_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")

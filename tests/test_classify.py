@@ -80,7 +80,7 @@ def test_tasks_and_runners_are_checked_before_work(ckpts, tiny_model, tmp_path):
             llm.encode(TEXTS, pooling_task="embed")
         with pytest.raises(ValueError, match="dimensions is for embeddings"):
             llm.classify(TEXTS, pooling_params=PoolingParams(dimensions=2))
-        with pytest.raises(ValueError, match="cross-encoder scoring"):
+        with pytest.raises(ValueError, match="num_labels=3"):
             llm.score(TEXTS[0], TEXTS[1])
         with pytest.raises(TypeError, match="does not generate"):
             llm.generate(TEXTS, SamplingParams(max_tokens=2))
@@ -120,5 +120,70 @@ def test_ray_predictor_classify_mode(ckpts):
     for row, logits in zip((0, 2), expected):
         torch.testing.assert_close(torch.tensor(out["embeddings"][row]), logits.softmax(-1), atol=2e-5, rtol=1e-4)
     predictor.llm.close()
-    with pytest.raises(ValueError, match="is a classify model: pass task_type='classify'"):
+    with pytest.raises(ValueError, match="task 'embed' was asked, but .* is a sequence classifier"):
         LLMPredictor(ckpts["qwen3"], engine_kwargs=ENGINE, task_type="embed")
+
+
+def test_task_and_convert_must_match_the_architecture(ckpts, tiny_model):
+    with pytest.raises(ValueError, match="task 'classify' was asked, but 'Qwen3ForCausalLM' is an embedding"):
+        LLM(tiny_model, task="classify", device="cpu")
+    with pytest.raises(ValueError, match="task 'embed' was asked, but 'Qwen3ForSequenceClassification' is a sequence"):
+        LLM(ckpts["qwen3"], convert="embed", device="cpu")
+    llm = LLM(ckpts["qwen3"], task="classify", **ENGINE)
+    try:
+        assert llm.config.pooling.task == "classify"
+        with pytest.raises(ValueError, match="sequence classifier; use llm.classify"):
+            list(llm.embed_stream(TEXTS[:1]))
+    finally:
+        llm.close()
+
+
+def test_pooler_config_sets_the_default_activation_a_request_may_override(ckpts):
+    llm = LLM(ckpts["qwen3"], pooler_config={"use_activation": False}, **ENGINE)
+    try:
+        (logits,) = hf_logits(ckpts["qwen3"], TEXTS[:1])
+        raw = llm.classify(TEXTS[:1], use_tqdm=False)[0].outputs.probs
+        probs = llm.classify(TEXTS[:1], use_tqdm=False, pooling_params=PoolingParams(use_activation=True))[0]
+        torch.testing.assert_close(torch.tensor(raw), logits, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(torch.tensor(probs.outputs.probs), logits.softmax(-1), atol=2e-5, rtol=1e-4)
+    finally:
+        llm.close()
+
+
+def test_score_with_a_one_label_classifier_is_cross_encoding(ckpts):
+    """vLLM's cross-encoder scoring: each pair tokenized as text and text pair, the sigmoid of the one logit."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = ckpts["llama-one-label"]
+    llm = LLM(path, **ENGINE)
+    try:
+        query, docs = "what is a paged KV cache?", ["blocks of keys and values", "a kind of fish", "x"]
+        outs = llm.score(query, docs, use_tqdm=False)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        hf = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+        for out, doc in zip(outs, docs):
+            ids = tokenizer(text=query, text_pair=doc)["input_ids"]
+            with torch.inference_mode():
+                expected = hf(torch.tensor([ids])).logits[0, 0].sigmoid().item()
+            assert out.prompt_token_ids == ids and out.outputs.score == pytest.approx(expected, abs=2e-5)
+        assert_no_leak(llm)
+    finally:
+        llm.close()
+    three = LLM(ckpts["qwen3"], **ENGINE)
+    with pytest.raises(ValueError, match="num_labels=3"):
+        three.score("a", "b")
+    three.close()
+
+
+def test_label_count_comes_from_id2label_first(tmp_path):
+    import json
+
+    path = build_tiny_classifier_checkpoint(tmp_path / "labels", num_labels=3)
+    with open(f"{path}/config.json") as f:
+        config = json.load(f)
+    config["num_labels"] = 5  # stale: transformers and vLLM count id2label
+    with open(f"{path}/config.json", "w") as f:
+        json.dump(config, f)
+    llm = LLM(path, **ENGINE)
+    assert llm.config.pooling.num_labels == 3 and llm.classify(["hi"], use_tqdm=False)[0].outputs.num_classes == 3
+    llm.close()

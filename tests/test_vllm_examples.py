@@ -911,6 +911,29 @@ def test_llm_engine_request_ids_abort_and_refusals(tiny_model):
         EngineArgs(model=tiny_model, max_num_seq=3)
 
 
+def test_llm_engine_step_failing_after_the_model_run_drops_every_request(tiny_model, monkeypatch):
+    from helpers import assert_no_leak
+
+    from nanoserve import LLMEngine
+
+    engine = LLMEngine.from_engine_args(EngineArgs(model=tiny_model, dtype="float32", max_model_len=128))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine.add_request("a", [5, 6, 7], params)
+
+    def broken(*args):
+        raise RuntimeError("stop check failed")
+
+    monkeypatch.setattr(engine.engine, "_check_stop", broken)  # fails after the tokens are sampled
+    with pytest.raises(RuntimeError, match="stop check failed"):
+        engine.step()
+    monkeypatch.undo()
+    assert not engine.has_unfinished_requests() and not engine.engine.requests
+    assert_no_leak(engine)  # every block free or only cached
+    engine.add_request("a", [5, 6, 7], params)  # the id is free again, the engine usable
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 def test_llm_engine_embeds(embedding_model):
     from nanoserve import LLMEngine
 

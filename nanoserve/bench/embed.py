@@ -213,7 +213,8 @@ def run_embed_bench(args: argparse.Namespace) -> dict:
         "st_docs_per_s": per_s[f"st-batch{bs_docs}", "docs"], "st_best_batch_size_docs": bs_docs,
         "st_docs_per_s_by_batch_size": {bs: per_s[f"st-batch{bs}", "docs"] for bs in sizes},
         "st_queries_per_s": per_s[f"st-batch{bs_q}", "queries"], "st_best_batch_size_queries": bs_q,
-        "min_cosine_docs": _min_cosine(last["nanoserve", "docs"]["vectors"], last[f"st-batch{bs_docs}", "docs"]["vectors"]),
+        "min_cosine_docs": _min_cosine(last["nanoserve", "docs"]["vectors"],
+                                       last[f"st-batch{bs_docs}", "docs"]["vectors"]),
         "min_cosine_queries": _min_cosine(last["nanoserve", "queries"]["vectors"],
                                           last[f"st-batch{bs_q}", "queries"]["vectors"]),
         "min_cosine_cache_on_vs_off": _min_cosine(last["nanoserve", "queries"]["vectors"],
@@ -249,8 +250,10 @@ def _print_table(r: dict, dtype: str, st_dtype: str, repeat: int) -> None:
     if has_vllm:
         row += f" {vllm['queries_per_s']:.2f} = nanoserve {vllm['nanoserve_speedup_queries']:.2f}x |"
     print(row)
-    print(f"| queries/s, prefix cache off | {r['nanoserve_queries_per_s_cache_off']:.2f} | |" + (" |" if has_vllm else ""))
+    off = r["nanoserve_queries_per_s_cache_off"]
+    print(f"| queries/s, prefix cache off | {off:.2f} | |" + (" |" if has_vllm else ""))
     cache_ratio = r["nanoserve_queries_per_s_cache_on"] / r["nanoserve_queries_per_s_cache_off"]
     print(f"prefix cache on vs off (queries): {cache_ratio:.2f}x at hit rate {r['query_prefix_cache_hit_rate']:.1%}; "
-          f"min cosine vs sentence-transformers: docs {r['min_cosine_docs']:.6f}, queries {r['min_cosine_queries']:.6f}",
+          f"min cosine vs sentence-transformers: docs {r['min_cosine_docs']:.6f}, "
+          f"queries {r['min_cosine_queries']:.6f}",
           flush=True)

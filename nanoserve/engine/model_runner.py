@@ -109,7 +109,8 @@ class ModelRunner:
             with torch.device(self.device):
                 cls = model_class(cfg)
                 if self.config.pooling is not None:  # hidden states out, no LM head (a classifier: its score head)
-                    cls = (classifier_model_class if self.config.pooling.task == "classify" else embedding_model_class)(cls)
+                    classify = self.config.pooling.task == "classify"
+                    cls = (classifier_model_class if classify else embedding_model_class)(cls)
                 model = cls(cfg, ctx)
         finally:
             torch.set_default_dtype(default_dtype)
@@ -257,10 +258,11 @@ class ModelRunner:
         token_ids = out.token_ids.tolist()
         if out.logprobs is None:
             return StepOutput(token_ids, None, None)
-        top = [
-            dict(zip(ids, lps))
-            for ids, lps in zip(out.topk_token_ids.tolist(), out.topk_logprobs.tolist())
-        ]
+        # The top k is the batch's largest; each row keeps its own k before leaving the tensor (one
+        # whole-vocabulary request must not turn every row's into a vocabulary-sized dict).
+        own_k = [seq.sampling_spec.logprobs or 0 for seq in rows]
+        ids, lps = out.topk_token_ids, out.topk_logprobs
+        top = [dict(zip(ids[i, :k].tolist(), lps[i, :k].tolist())) for i, k in enumerate(own_k)]
         return StepOutput(token_ids, out.logprobs.tolist(), top, out.ranks.tolist())
 
     def run(self, batch: ScheduledBatch) -> StepOutput:
@@ -279,12 +281,12 @@ class ModelRunner:
             # (every row's K/V is still cached); with none completing, one row keeps the shapes non-empty
             keep = torch.tensor(rows or [inputs.input_ids.shape[0] - 1], dtype=torch.int64, device=self.device)
             hidden = self.forward(inputs.input_ids, inputs.positions, inputs.meta, keep)
-            return StepOutput([], None, None, pooled=self.model.pooled_output(hidden[: len(rows)].float().cpu()))
+            return StepOutput([], None, None, pooled=self.model.pooled_output(hidden[: len(rows)]).float().cpu())
         hidden = self.forward(inputs.input_ids, inputs.positions, inputs.meta)  # [num_tokens, hidden]
         seqs = batch.seqs
         pooled = self.pooler(hidden, [s.seq_id for s in seqs], [s.num_computed_tokens for s in seqs],
                              batch.num_new_tokens, batch.samples)
-        return StepOutput([], None, None, pooled=self.model.pooled_output(pooled))
+        return StepOutput([], None, None, pooled=self.model.pooled_output(pooled).float().cpu())
 
 
 def run_model(
@@ -308,14 +310,13 @@ def score_prompts(batch: ScheduledBatch, logits: torch.Tensor) -> list[PromptLog
     k = max(batch.seqs[i].sampling_spec.prompt_logprobs for i, _ in spans)
     scores = score_tokens(logits, torch.tensor(targets, device=logits.device), k)
     logprobs, ranks = scores.logprobs.tolist(), scores.ranks.tolist()
-    topk_ids, topk_logprobs = scores.topk_ids.tolist(), scores.topk_logprobs.tolist()
     chunks, at = [], 0
     for i, positions in spans:
-        own_k = batch.seqs[i].sampling_spec.prompt_logprobs
+        own_k = batch.seqs[i].sampling_spec.prompt_logprobs  # k is the batch's largest: each keeps its own
         end = at + len(positions)
         chunks.append(PromptLogprobsChunk(
             i, positions.start, logprobs[at:end], ranks[at:end],
-            [ids[:own_k] for ids in topk_ids[at:end]], [lps[:own_k] for lps in topk_logprobs[at:end]],
+            scores.topk_ids[at:end, :own_k].tolist(), scores.topk_logprobs[at:end, :own_k].tolist(),
         ))
         at = end
     return chunks

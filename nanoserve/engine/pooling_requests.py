@@ -50,8 +50,8 @@ def validate_pooling_request(
         )
     if not isinstance(params, PoolingParams):
         raise TypeError(
-            f"this LLM was built with runner='pooling' (an embedding model): it takes PoolingParams "
-            f"(LLM.embed / LLM.encode) and does not generate, got {type(params).__name__}"
+            f"this LLM was built with runner='pooling' (an embedding model or classifier): it takes "
+            f"PoolingParams (LLM.embed / LLM.classify / LLM.encode) and does not generate, got {type(params).__name__}"
         )
     params.validate()
     pooling = config.pooling
@@ -71,7 +71,8 @@ def validate_pooling_request(
             raise ValueError(f"dimensions={params.dimensions}: a classifier returns its {pooling.num_labels} label "
                              "scores; dimensions is for embeddings, leave it None")
         wanted = params.wants_normalize  # vLLM's use_activation: False keeps the raw logits
-        return PoolingSpec(ids, None, False, None if wanted is False else pooling.activation)
+        use = pooling.use_activation if wanted is None else wanted
+        return PoolingSpec(ids, None, False, pooling.activation if use else None)
     _check_dimensions(params.dimensions, pooling.hidden_size, pooling.matryoshka_dimensions)
     # None: the checkpoint's size (config_sentence_transformers.json truncate_dim, else hidden_size)
     dimensions = params.dimensions if params.dimensions is not None else pooling.default_dimensions

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from nanoserve.engine.input_processor import EngineRequest
 from nanoserve.engine.pooling_requests import tokenize
 from nanoserve.outputs import PoolingRequestOutput
+from nanoserve.pooling.api import check_task
 from nanoserve.pooling_params import PoolingParams
 
 if TYPE_CHECKING:
@@ -55,6 +56,7 @@ class LineParts:
 
 def build_embedding_requests(llm: LLM, body: dict) -> EmbeddingLine:
     """One validated EngineRequest per input of the line; ValueError / TypeError naming the field."""
+    check_task(llm.config.pooling, "embed")
     unknown = sorted(set(body) - _KNOWN)
     if unknown:
         raise ValueError(f"{unknown} are not supported in /v1/embeddings bodies by nanoserve run-batch")

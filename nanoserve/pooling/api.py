@@ -32,3 +32,15 @@ def params_per_prompt(pooling_params, num_prompts: int, truncate_prompt_tokens: 
     if truncate_prompt_tokens is None:
         return params
     return [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
+
+
+def check_task(pooling, task: str | None) -> None:
+    """An engine pools for one task (its checkpoint's): asking a classifier for embeddings, or an
+    embedding model for class probabilities, is refused before any work. `pooling`: the engine's
+    Pooling (None for a generating engine, whose own error comes when the request is prepared)."""
+    if task not in (None, *POOLING_TASKS):
+        raise ValueError(f"pooling_task must be one of {POOLING_TASKS} (or None), got {task!r}")
+    if task is not None and pooling is not None and task != pooling.task:
+        model, call = (("a sequence classifier", "classify()") if pooling.task == "classify"
+                       else ("an embedding model", "embed()"))
+        raise ValueError(f"pooling_task={task!r}: this LLM's model is {model}; use llm.{call}")

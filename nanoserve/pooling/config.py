@@ -25,6 +25,7 @@ RUNNERS = ("auto", "generate", "pooling")
 TASK_TO_RUNNER = {"auto": "auto", "generate": "generate", "embed": "pooling", "embedding": "pooling",
                   "classify": "pooling"}
 CONVERT_TO_RUNNER = {"auto": "auto", "none": "auto", "embed": "pooling", "classify": "pooling"}
+POOLING_TASK_NAMES = {"embed": "embed", "embedding": "embed", "classify": "classify"}  # task=/convert= -> task
 # vLLM's defaults by architecture-name suffix (first match wins): "*ForCausalLM" generates,
 # "*Model" (e.g. Qwen3Model, MistralModel, *EmbeddingModel) is a base model and pools,
 # "*ForSequenceClassification" pools and classifies.
@@ -119,6 +120,7 @@ class Pooling:
     task: str = "embed"  # "embed" or "classify" (a *ForSequenceClassification checkpoint)
     num_labels: int | None = None  # classify: the score head's outputs
     activation: str | None = None  # classify: "softmax", "sigmoid" or None (logits as they are)
+    use_activation: bool = True  # classify: apply it unless a request's PoolingParams says otherwise
 
     @property
     def uses_prefix_cache(self) -> bool:
@@ -130,22 +132,36 @@ class Pooling:
 # ---- the runner ------------------------------------------------------------------------------
 
 
-def runner_from_vllm_args(runner, task, convert) -> str | None:
-    """One runner name from vLLM's three ways to ask for it; None when none was given."""
+def runner_from_vllm_args(runner, task, convert) -> tuple[str | None, str | None]:
+    """(one runner name from vLLM's three ways to ask for it, None when none was given; the pooling
+    task task= / convert= named, "embed" or "classify", else None)."""
     asked: dict[str, str] = {}
+    tasks = set()
     for name, value, table in (("task", task, TASK_TO_RUNNER), ("convert", convert, CONVERT_TO_RUNNER)):
         if value is None:
             continue
         if value not in table:
             raise ValueError(f"LLM(): {name}={value!r} is not supported; nanoserve takes {name} in {tuple(table)}")
         asked[name] = table[value]
+        if value in POOLING_TASK_NAMES:
+            tasks.add(POOLING_TASK_NAMES[value])
     if runner is not None:
         asked["runner"] = runner
     chosen = {v for v in asked.values() if v != "auto"}
-    if len(chosen) > 1:
-        given = ", ".join(f"{k}={v!r}" for k, v in asked.items())
-        raise ValueError(f"LLM(): {given} ask for different runners; pass one")
-    return chosen.pop() if chosen else ("auto" if asked else None)
+    if len(chosen) > 1 or len(tasks) > 1:
+        given = ", ".join(f"{k}={v!r}" for k, v in (("runner", runner), ("task", task), ("convert", convert)) if v)
+        raise ValueError(f"LLM(): {given} ask for different runners or tasks; pass one")
+    runner = chosen.pop() if chosen else ("auto" if asked else None)
+    return runner, (tasks.pop() if tasks else None)
+
+
+def check_pooling_task(asked: str | None, pooling: Pooling, arch: str, source: str) -> None:
+    """task= / convert= name the task the checkpoint's architecture decides: a causal LM or base
+    model embeds, a *ForSequenceClassification classifies (nanoserve converts neither into the other)."""
+    if asked is not None and asked != pooling.task:
+        kind = "a sequence classifier" if pooling.task == "classify" else "an embedding (or causal LM) architecture"
+        raise ValueError(f"{source}: task {asked!r} was asked, but {arch!r} is {kind}, which runs "
+                         f"task {pooling.task!r} (use llm.{pooling.task}())")
 
 
 def resolve_runner(runner: str, hf_config: dict, source: str) -> str:
@@ -202,11 +218,14 @@ def resolve_pooling(model_dir: str, hf_config: dict, override: PoolerConfig | No
     )
 
 
-def classifier_num_labels(hf_config: dict):
-    """config.json's num_labels, else the size of its id2label (what transformers saves), else 2
-    (PretrainedConfig's default)."""
+def classifier_num_labels(hf_config: dict) -> object:
+    """The size of config.json's id2label (what transformers saves, and what its PretrainedConfig and
+    vLLM count), else its num_labels, else 2 (PretrainedConfig's default). Checked by the caller."""
+    id2label = hf_config.get("id2label")
+    if id2label:
+        return len(id2label)
     num_labels = hf_config.get("num_labels")
-    return num_labels if num_labels is not None else len(hf_config.get("id2label") or {}) or 2
+    return 2 if num_labels is None else num_labels
 
 
 def resolve_classifier(hf_config: dict, override: PoolerConfig | None, source: str) -> Pooling:
@@ -217,16 +236,16 @@ def resolve_classifier(hf_config: dict, override: PoolerConfig | None, source: s
         raise ValueError(f"{source}: num_labels must be an int >= 1, got {num_labels!r}")
     problem = hf_config.get("problem_type")
     if problem is not None and problem not in _PROBLEM_ACTIVATIONS:
-        raise ValueError(f"{source}: problem_type must be one of {tuple(_PROBLEM_ACTIVATIONS)} or null, got {problem!r}")
+        raise ValueError(f"{source}: problem_type must be one of {tuple(_PROBLEM_ACTIVATIONS)} or null, "
+                         f"got {problem!r}")
     activation = _PROBLEM_ACTIVATIONS[problem] if problem is not None else "softmax"
     if activation == "softmax" and num_labels == 1:
         activation = "sigmoid"  # one logit: its probability, as vLLM's classify pooler
-    if override is not None and override.wants_normalize is False:
-        activation = None
     return Pooling(
         pooling_type=(override.pooling_type if override is not None else None) or "LAST",
         normalize=False, hidden_size=int(hf_config["hidden_size"]), matryoshka_dimensions=None,
         task="classify", num_labels=num_labels, activation=activation,
+        use_activation=override is None or override.wants_normalize is not False,
     )
 
 

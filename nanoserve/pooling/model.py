@@ -63,9 +63,9 @@ def classifier_model_class(causal_lm_class: type[nn.Module]) -> type[nn.Module]:
             return super().checkpoint_name_to_param(name)
 
         def pooled_output(self, pooled: torch.Tensor) -> torch.Tensor:
-            """float32 [n, hidden] pooled rows -> float32 [n, num_labels] logits, in the model's dtype."""
+            """[n, hidden] pooled rows -> [n, num_labels] logits, computed in the model's dtype on its device."""
             weight = self.score.weight
-            return self.score(pooled.to(weight.device, weight.dtype)).float().cpu()
+            return self.score(pooled.to(weight.device, weight.dtype))
 
     ClassifierModel.__name__ = ClassifierModel.__qualname__ = causal_lm_class.__name__.replace(
         "ForCausalLM", "ForSequenceClassification"

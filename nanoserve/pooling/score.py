@@ -1,8 +1,10 @@
-"""`LLM.score` on an embedding model: the cosine similarity of two prompts' embeddings, as vLLM
-scores pairs with a bi-encoder (its `_embedding_score`).
+"""`LLM.score`, as vLLM scores pairs: on an embedding model (a bi-encoder) the cosine similarity
+of the two prompts' embeddings (its `_embedding_score`); on a one-label sequence classifier (a
+cross-encoder reranker) the classifier's probability for the pair tokenized together, text and
+text pair (its `_cross_encoding_score`).
 
-Pairs are 1:1, 1:N (the one left prompt meets every right one) or N:N. Every distinct prompt is
-embedded once in one batch, left then right, so a shared query costs one forward pass.
+Pairs are 1:1, 1:N (the one left prompt meets every right one) or N:N. A bi-encoder embeds both
+sides in one batch, left then right: the left prompt of a 1:N call costs one forward pass.
 """
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from collections.abc import Sequence
 
 import torch.nn.functional as F
 
-from nanoserve.inputs import PromptType, as_prompt_list
+from nanoserve.inputs import PromptType, as_prompt_list, parse_prompt
 from nanoserve.outputs import PoolingRequestOutput, ScoringOutput, ScoringRequestOutput
 
 
@@ -26,6 +28,29 @@ def score_sides(data_1: PromptType | Sequence[PromptType], data_2: PromptType | 
             f"score() pairs data_1 with data_2 1:1, 1:N or N:N; got {len(left)} and {len(right)} prompts"
         )
     return left, right
+
+
+def cross_encoder_prompts(tokenizer, left: list, right: list, tokenization_kwargs: dict | None) -> list[dict]:
+    """Each pair as one prompt: the tokenizer's text + text-pair encoding of the two texts (a token-id
+    prompt decoded to its text first, as vLLM does)."""
+    texts_1 = [_text(tokenizer, p, i) for i, p in enumerate(left)]
+    texts_2 = [_text(tokenizer, p, len(left) + i) for i, p in enumerate(right)]
+    if len(texts_1) == 1:
+        texts_1 = texts_1 * len(texts_2)
+    kwargs = tokenization_kwargs or {}
+    return [{"prompt_token_ids": tokenizer(text=a, text_pair=b, **kwargs)["input_ids"]}
+            for a, b in zip(texts_1, texts_2)]
+
+
+def _text(tokenizer, prompt, i: int) -> str:
+    text, ids = parse_prompt(prompt, i)
+    return text if text is not None else tokenizer.decode(ids)
+
+
+def pair_score(out: PoolingRequestOutput) -> ScoringRequestOutput:
+    """A one-label classifier's result for a pair as its score."""
+    return ScoringRequestOutput(request_id=out.request_id, outputs=ScoringOutput(score=float(out.outputs.data[0])),
+                                prompt_token_ids=out.prompt_token_ids, num_cached_tokens=out.num_cached_tokens)
 
 
 def cosine_scores(left: list[PoolingRequestOutput], right: list[PoolingRequestOutput],
