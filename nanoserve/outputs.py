@@ -129,6 +129,12 @@ class PoolingRequestOutput:
     prompt: str | None = None
     metrics: RequestMetrics | None = field(default=None, repr=False)
 
+    def with_outputs(self, cls: type, outputs) -> PoolingRequestOutput:
+        """This result as `cls` (a subclass: EmbeddingRequestOutput, ...) holding `outputs` instead."""
+        return cls(request_id=self.request_id, outputs=outputs, prompt_token_ids=self.prompt_token_ids,
+                   num_cached_tokens=self.num_cached_tokens, finished=self.finished, prompt=self.prompt,
+                   metrics=self.metrics)
+
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(request_id={self.request_id!r}, outputs={self.outputs!r}, "
@@ -161,15 +167,7 @@ class EmbeddingRequestOutput(PoolingRequestOutput):
 
     @staticmethod
     def from_base(request_output: PoolingRequestOutput) -> EmbeddingRequestOutput:
-        return EmbeddingRequestOutput(
-            request_id=request_output.request_id,
-            outputs=EmbeddingOutput.from_base(request_output.outputs),
-            prompt_token_ids=request_output.prompt_token_ids,
-            num_cached_tokens=request_output.num_cached_tokens,
-            finished=request_output.finished,
-            prompt=request_output.prompt,
-            metrics=request_output.metrics,
-        )
+        return request_output.with_outputs(EmbeddingRequestOutput, EmbeddingOutput.from_base(request_output.outputs))
 
 
 @dataclass
@@ -211,12 +209,4 @@ class ClassificationRequestOutput(PoolingRequestOutput):
 
     @staticmethod
     def from_base(request_output: PoolingRequestOutput) -> ClassificationRequestOutput:
-        return ClassificationRequestOutput(
-            request_id=request_output.request_id,
-            outputs=ClassificationOutput.from_base(request_output.outputs),
-            prompt_token_ids=request_output.prompt_token_ids,
-            num_cached_tokens=request_output.num_cached_tokens,
-            finished=request_output.finished,
-            prompt=request_output.prompt,
-            metrics=request_output.metrics,
-        )
+        return request_output.with_outputs(ClassificationRequestOutput, ClassificationOutput.from_base(request_output.outputs))

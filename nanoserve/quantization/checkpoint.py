@@ -11,7 +11,6 @@ or, for a module the model runs in float, by <module>.weight as float32.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Iterable, Iterator
@@ -19,6 +18,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from safetensors import SafetensorError, safe_open
 
+from nanoserve.checkpoint import read_json
 from nanoserve.quantization.awq import AWQ
 from nanoserve.quantization.common import ModuleSpec, QuantFormat, TensorMeta
 from nanoserve.quantization.compressed_tensors import CompressedTensors
@@ -42,17 +42,6 @@ CONFIG_FILES = {"gptq": ("quantize_config.json",), "awq": ("quant_config.json", 
 ALL_CONFIG_FILES = tuple(sorted({name for names in CONFIG_FILES.values() for name in names}))
 
 
-def _read_object(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not a readable JSON file ({e})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: must hold a JSON object (the quantization config), got {type(data).__name__}")
-    return data
-
-
 def _standalone_config(requested: str, model_dir: str, config_json: str) -> tuple[dict, str]:
     """The quantization config of format `requested` (or a kernel name for it) from its own file in
     `model_dir` (config.json has none)."""
@@ -66,7 +55,7 @@ def _standalone_config(requested: str, model_dir: str, config_json: str) -> tupl
         raise ValueError(f"quantization={requested!r}: {model_dir} holds several quantization configs "
                          f"({', '.join(present)}): keep one")
     path = os.path.join(model_dir, present[0])
-    qcfg = _read_object(path)
+    qcfg = read_json(path, "a JSON object (the quantization config)")
     declared = qcfg.get("quant_method", method)  # AutoAWQ and older AutoGPTQ do not write it
     if not isinstance(declared, str) or declared.lower() != method:
         raise ValueError(f"{path}: quant_method={declared!r} disagrees with quantization={requested!r}")
