@@ -262,7 +262,10 @@ class ModelRunner:
         # whole-vocabulary request must not turn every row's into a vocabulary-sized dict).
         own_k = [seq.sampling_spec.logprobs or 0 for seq in rows]
         ids, lps = out.topk_token_ids, out.topk_logprobs
-        top = [dict(zip(ids[i, :k].tolist(), lps[i, :k].tolist())) for i, k in enumerate(own_k)]
+        if all(k == ids.shape[1] for k in own_k):  # the usual batch: one k, one copy out of the tensors
+            top = [dict(zip(a, b)) for a, b in zip(ids.tolist(), lps.tolist())]
+        else:
+            top = [dict(zip(ids[i, :k].tolist(), lps[i, :k].tolist())) if k else {} for i, k in enumerate(own_k)]
         return StepOutput(token_ids, out.logprobs.tolist(), top, out.ranks.tolist())
 
     def run(self, batch: ScheduledBatch) -> StepOutput:
