@@ -18,9 +18,13 @@ pytestmark = pytest.mark.skipif(
 PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
 
 
-def _generate(monkeypatch, path: str, fused: bool, **kw):
+def _generate(monkeypatch, path: str, fused: bool, int8_path: str = "w8a16", **kw):
     """(per prompt: tokens and (token, logprob) pairs; what the model's fused_decode ended up as)."""
     monkeypatch.setenv("NANOSERVE_CPU_FUSED_DECODE", "1" if fused else "0")
+    # The loop runs the panel GEMM (every AVX2 CPU has it); CPUs with bf16 dot products would pick oneDNN.
+    monkeypatch.setenv("NANOSERVE_CPU_GEMM", "panel")
+    if kw.get("quantization") == "int8":  # W8A16, or the VNNI kernel CPUs with AVX512-VNNI pick
+        monkeypatch.setenv("NANOSERVE_CPU_INT8", int8_path)
     llm = make_llm(path, dtype="bfloat16", **kw)
     # lengths apart, so some steps mix a prefill with decodes (the modules) and others only decode
     outs = llm.generate(random_prompts(5, 3, 40, seed=7), PARAMS, use_tqdm=False)
@@ -41,12 +45,16 @@ def int4_checkpoints(model_dirs, tmp_path_factory):
     return built
 
 
-@pytest.mark.parametrize("model, quantization", [("tied-gqa2", None), ("untied-gqa4", None),
-                                                 ("untied-gqa4", "int8")])
-def test_fused_decode_equals_the_modules(monkeypatch, model_dirs, model, quantization):
+VNNI = cpu_kernels.load() is not None and bool(cpu_kernels.load().vnni_supported())
+
+
+@pytest.mark.parametrize("model, quantization, int8_path", [
+    ("tied-gqa2", None, None), ("untied-gqa4", None, None), ("untied-gqa4", "int8", "w8a16"),
+    pytest.param("untied-gqa4", "int8", "vnni", marks=pytest.mark.skipif(not VNNI, reason="needs AVX512-VNNI"))])
+def test_fused_decode_equals_the_modules(monkeypatch, model_dirs, model, quantization, int8_path):
     path = model_dirs[model]
-    ref, unfused = _generate(monkeypatch, path, False, quantization=quantization)
-    got, fused = _generate(monkeypatch, path, True, quantization=quantization)
+    ref, unfused = _generate(monkeypatch, path, False, int8_path, quantization=quantization)
+    got, fused = _generate(monkeypatch, path, True, int8_path, quantization=quantization)
     assert unfused is False and isinstance(fused, DecodeLayers) and fused.steps_run >= PARAMS.max_tokens - 1
     assert got == ref
 
@@ -78,6 +86,7 @@ def test_fused_decode_follows_a_reallocated_kv_cache(monkeypatch, model_dirs):
     # The runner reallocates the KV cache (its warm-up, resize_kv_cache); the fused layers must write
     # and read the cache the modules are bound to now, not the one they saw first.
     monkeypatch.setenv("NANOSERVE_CPU_FUSED_DECODE", "1")
+    monkeypatch.setenv("NANOSERVE_CPU_GEMM", "panel")
     llm = make_llm(model_dirs["tied-gqa2"], dtype="bfloat16", enable_prefix_caching=False)
     prompts = random_prompts(3, 4, 12, seed=3)
     first = [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
@@ -97,6 +106,7 @@ def test_fused_decode_leaves_a_backend_subclass_its_own_ops(monkeypatch, model_d
     # A subclass replacing an op the loop would run in C (here attention, counting its calls) keeps
     # every call: the module path runs, one attention call per layer per step.
     monkeypatch.setenv("NANOSERVE_CPU_FUSED_DECODE", "1")
+    monkeypatch.setenv("NANOSERVE_CPU_GEMM", "panel")
     llm = make_llm(model_dirs["tied-gqa2"], dtype="bfloat16", attention_backend=FaultInjectingBackend)
     llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     model = llm.engine.model_runner.model.model

@@ -163,6 +163,10 @@ def test_accuracy_gate_on_a_checkpoint_with_outlier_channels(tiny_model, tmp_pat
     assert w8a16.top1_agreement >= floor.top1_agreement - 0.03
     assert w8a16.mean_abs_logprob_diff <= 3 * floor.mean_abs_logprob_diff
     assert w8a8.mean_abs_logprob_diff > 1.3 * w8a16.mean_abs_logprob_diff  # the outliers cost per-token W8A8
+    if "int8 W8A8 VNNI" in got:  # per 32-input block, outliers exact: near W8A16, far from per-token W8A8
+        vnni = got["int8 W8A8 VNNI"]
+        assert vnni.top1_agreement >= floor.top1_agreement - 0.03
+        assert vnni.mean_abs_logprob_diff <= 3 * floor.mean_abs_logprob_diff
 
 
 # ---- bench.py ----------------------------------------------------------------------------------------
@@ -175,12 +179,15 @@ def test_bench_reports_instruction_peaks_and_int8_paths(tiny_model):
                    "--dtype", "bfloat16", "--quantization", "int8"])
     assert report["engine"]["gemm"].startswith("int8") and report["nanoserve"][0]["counts_ok"]
     roof = report["roofline"]
-    assert set(roof["instruction_peaks"]) == {"peak_loop_fma_f32", "peak_loop_madd_i16", "peak_loop_maddubs_u8s8",
-                                              "peak_loop_maddubs_i16"}
+    avx2 = {"peak_loop_fma_f32", "peak_loop_madd_i16", "peak_loop_maddubs_u8s8", "peak_loop_maddubs_i16"}
+    vnni = bool(LIB.vnni_supported())
+    assert avx2 <= set(roof["instruction_peaks"]) and ("peak_loop_dpbusd" in roof["instruction_peaks"]) == vnni
     assert all(v > 0 for v in roof["instruction_peaks"].values())
     for per_path in roof["gemm_efficiency"].values():
         assert {"int8 W8A16 (C)", "int8 W8A8 (C)", "int4 W4A8 (C)", "panel bf16-weight (C)"} <= set(per_path)
+        assert ("int8 W8A8 VNNI (C)" in per_path) == vnni
         assert all(v["of_peak"] > 0 for v in per_path.values())
+        assert per_path["int4 W4A8 (C)"]["instruction"] == ("peak_loop_dpbusd" if vnni else "peak_loop_maddubs_i16")
 
 
 @needs_kernel
@@ -191,5 +198,6 @@ def test_bench_accuracy_reports_every_path_on_both_checkpoints(tiny_model):
                    "--accuracy-tokens", "4"])
     for name in ("checkpoint", "with outlier channels"):
         rows = report["accuracy"][name]
-        assert [r["path"] for r in rows] == ["bf16", "int8 W8A16", "int8 W8A8", "float32 (floor)"]
+        vnni = ["int8 W8A8 VNNI"] if LIB.vnni_supported() else []
+        assert [r["path"] for r in rows] == ["bf16", "int8 W8A16", "int8 W8A8", *vnni, "float32 (floor)"]
         assert all(r["positions"] == 8 and 0 <= r["top1_agreement"] <= 1 for r in rows)

@@ -137,8 +137,18 @@ def measure_accuracy(model: str, prompts: list[list[int]], num_tokens: int, path
     return results, teachers
 
 
-INT8_PATHS = {
-    "bf16": {},
-    "int8 W8A16": {"quantization": "int8", "int8": "w8a16"},
-    "int8 W8A8": {"quantization": "int8", "int8": "w8a8"},
-}
+def _int8_paths() -> dict[str, dict]:
+    paths = {
+        "bf16": {},
+        "int8 W8A16": {"quantization": "int8", "int8": "w8a16"},
+        "int8 W8A8": {"quantization": "int8", "int8": "w8a8"},
+    }
+    from nanoserve.kernels import cpu_kernels
+
+    lib = cpu_kernels.load()
+    if lib is not None and lib.vnni_supported():  # the default int8 path on AVX512-VNNI CPUs
+        paths["int8 W8A8 VNNI"] = {"quantization": "int8", "int8": "vnni"}
+    return paths
+
+
+INT8_PATHS = _int8_paths()

@@ -65,7 +65,7 @@ def print_roofline(figures: dict) -> None:
 
 
 def print_instruction_peaks(figures: dict) -> None:
-    from nanoserve.bench.roofline import INSTRUCTIONS, PATH_INSTRUCTION
+    from nanoserve.bench.roofline import INSTRUCTIONS
 
     peaks = figures.get("instruction_peaks") or {}
     if peaks:
@@ -74,7 +74,7 @@ def print_instruction_peaks(figures: dict) -> None:
             f"{INSTRUCTIONS[k]} {v / 1e9:.1f} GFLOP/s ({v / fma:.2f}x FMA)" for k, v in peaks.items()))
     for rows, per_path in (figures.get("gemm_efficiency") or {}).items():
         print(f"  C GEMMs at {rows} rows: " + ", ".join(
-            f"{name} {v['flops'] / 1e9:.1f} GFLOP/s = {v['of_peak']:.0%} of {INSTRUCTIONS[PATH_INSTRUCTION[name]]}"
+            f"{name} {v['flops'] / 1e9:.1f} GFLOP/s = {v['of_peak']:.0%} of {INSTRUCTIONS[v['instruction']]}"
             for name, v in per_path.items()))
 
 

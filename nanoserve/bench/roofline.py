@@ -61,8 +61,11 @@ def _int8_gemms() -> dict[str, GemmPath]:
     if lib is None or not lib.int8_gemm_supported():
         return {}
     kernels = Int8Kernels(lib)
-    return {INT8_W8A16: lambda w: Int8Gemm(w, None, kernels, None),
-            INT8_W8A8: lambda w: Int8Gemm(w, None, kernels, 1)}
+    paths = {INT8_W8A16: lambda w: Int8Gemm(w, None, kernels, None),
+             INT8_W8A8: lambda w: Int8Gemm(w, None, kernels, 1)}
+    if lib.vnni_supported():
+        paths[INT8_VNNI] = lambda w: Int8Gemm(w, None, kernels, None, vnni=True)
+    return paths
 
 
 def _int4_gemm() -> dict[str, GemmPath]:
@@ -100,16 +103,30 @@ PANEL = "panel bf16-weight (C)"
 INT8_W8A16 = "int8 W8A16 (C)"
 INT8_W8A8 = "int8 W8A8 (C)"
 INT4_W4A8 = "int4 W4A8 (C)"
-# instruction loop (cpu_int8.c) -> what it is
+INT8_VNNI = "int8 W8A8 VNNI (C)"
+ONEDNN_BF16 = "oneDNN packed bfloat16"
+# instruction loop (cpu_int8.c) -> what it is; the zmm ones only where the CPU has them
 INSTRUCTIONS = {
     "peak_loop_fma_f32": "float32 FMA (vfmadd231ps)",
     "peak_loop_madd_i16": "int16 pairs (vpmaddwd + vpaddd)",
     "peak_loop_maddubs_u8s8": "u8 x s8 (vpmaddubsw + vpmaddwd)",
     "peak_loop_maddubs_i16": "u8 x s8, int16 sums (vpmaddubsw + vpaddw)",
+    "peak_loop_fma_f32_zmm": "float32 FMA, zmm (AVX-512)",
+    "peak_loop_dpbusd": "u8 x s8 into int32, zmm (vpdpbusd, AVX512-VNNI)",
+    "peak_loop_dpbf16": "bf16 pairs into float32, zmm (vdpbf16ps, AVX512-BF16)",
 }
-# the C GEMM paths and the instruction each is bound by
-PATH_INSTRUCTION = {PANEL: "peak_loop_fma_f32", INT8_W8A16: "peak_loop_fma_f32", INT8_W8A8: "peak_loop_madd_i16",
-                    INT4_W4A8: "peak_loop_maddubs_i16"}
+
+
+def path_instruction(vnni: bool) -> dict[str, str]:
+    """The GEMM paths measured against an instruction peak, and the instruction each is bound by (W4A8
+    runs on vpdpbusd where the CPU has VNNI)."""
+    out = {PANEL: "peak_loop_fma_f32", INT8_W8A16: "peak_loop_fma_f32", INT8_W8A8: "peak_loop_madd_i16",
+           INT4_W4A8: "peak_loop_dpbusd" if vnni else "peak_loop_maddubs_i16"}
+    if vnni:
+        out[INT8_VNNI] = "peak_loop_dpbusd"
+    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        out[ONEDNN_BF16] = "peak_loop_dpbf16"
+    return out
 
 
 def measure_instruction_peaks(threads: int | None = None, repeats: int = 30) -> dict[str, float]:
@@ -130,7 +147,8 @@ def measure_instruction_peaks(threads: int | None = None, repeats: int = 30) -> 
             start = time.perf_counter()
             macs = loop(200_000, threads)
             best = max(best, 2 * macs / (time.perf_counter() - start))
-        peaks[name] = best
+        if best > 0:  # 0: not on this CPU
+            peaks[name] = best
     return peaks
 
 
@@ -147,7 +165,7 @@ def gemm_paths(dtype: torch.dtype, device: torch.device, rows: int, int8: bool =
     if torch.backends.mkldnn.is_available():
         paths["oneDNN packed float32"] = _onednn_packed(torch.float32)
         if dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-            paths["oneDNN packed bfloat16"] = _onednn_packed(torch.bfloat16)
+            paths[ONEDNN_BF16] = _onednn_packed(torch.bfloat16)
     panel = _panel_gemm() if dtype == torch.bfloat16 else None
     if panel is not None:
         paths[PANEL] = panel
@@ -229,17 +247,21 @@ class Roofline:
 def gemm_efficiency(shape: ModelShape, dtype: torch.dtype, device: torch.device, peaks: dict[str, float],
                     rows_list: tuple[int, ...] = (16, 64, 256)) -> dict:
     """Per row count and C GEMM path: FLOP/s at the model's shapes and the fraction of the peak of
-    the instruction that path is built from (PATH_INSTRUCTION)."""
+    the instruction that path is built from (path_instruction)."""
     if device.type != "cpu" or not peaks:
         return {}
     weights = [torch.randn(n, k).to(dtype) for k, n in shape.linear_shapes()]
+    from nanoserve.kernels import cpu_kernels
+
+    instruction = path_instruction(bool(cpu_kernels.load().vnni_supported()))
     out = {}
     for rows in rows_list:
         paths = {**gemm_paths(dtype, device, rows, int8=True), **_int4_gemm()}
-        paths = {k: v for k, v in paths.items() if k in PATH_INSTRUCTION}
+        paths = {k: v for k, v in paths.items() if k in instruction and instruction[k] in peaks}
         flops = sum(2 * rows * k * n for k, n in shape.linear_shapes())
         per_path = _best_of_paths(paths, weights, rows, flops, device)
-        out[rows] = {name: {"flops": f, "of_peak": f / peaks[PATH_INSTRUCTION[name]]} for name, f in per_path.items()}
+        out[rows] = {name: {"flops": f, "of_peak": f / peaks[instruction[name]], "instruction": instruction[name]}
+                     for name, f in per_path.items()}
     return out
 
 

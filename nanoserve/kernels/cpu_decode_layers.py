@@ -20,7 +20,7 @@ import torch
 from nanoserve.kernels import cpu_attention
 from nanoserve.kernels.cpu_gemm import Int4Gemm, Int8Gemm, PanelGemm
 
-GEMM_PANEL, GEMM_W8A16, GEMM_W4A16, GEMM_W4A8 = 0, 1, 2, 3  # cpu_decode_layers.c
+GEMM_PANEL, GEMM_W8A16, GEMM_W4A16, GEMM_W4A8, GEMM_VNNI8 = 0, 1, 2, 3, 4  # cpu_decode_layers.c
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -57,7 +57,11 @@ def _gemm(linear) -> _Gemm | None:
     if type(g) is PanelGemm and g.out_dtype is None:
         n, k = g.out_features, g.panels.shape[1]
         return _Gemm(GEMM_PANEL, k, n, k, k, _ptr(g.panels), None, None, _ptr(bias))
-    if type(g) is Int8Gemm and g.w8a8_min_rows is None and g.perm is None and g.out_dtype is None:
+    if type(g) is Int8Gemm and g.vnni and g.perm is None and g.out_dtype is None:
+        w = g.weight
+        return _Gemm(GEMM_VNNI8, w.in_features, w.out_features, w.in_features, w.group_size, _ptr(w.panels),
+                     _ptr(w.scales), _ptr(w.offsets), _ptr(bias))
+    if type(g) is Int8Gemm and not g.vnni and g.w8a8_min_rows is None and g.perm is None and g.out_dtype is None:
         w = g.weight
         return _Gemm(GEMM_W8A16, w.in_features, w.out_features, w.padded_in, g.kernels._group(w),
                      _ptr(w.panels), _ptr(w.scales), None, _ptr(bias))

@@ -31,7 +31,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nanoserve.kernels.cpu_int8 import Int4Kernels, Int8Kernels, pack_int4, quantize_weight_int8, split_int4
+from nanoserve.kernels.cpu_int8 import (Int4Kernels, Int8Kernels, pack_int4, pack_int8_vnni, quantize_weight_int8,
+                                        split_int4)
 from nanoserve.kernels.cpu_kernels import PANEL, CPUKernels, panel_slot
 from nanoserve.quantization.weight import QuantizedWeight
 
@@ -114,18 +115,20 @@ class BucketedLinear:
 class Int8Gemm:
     def __init__(
         self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None, kernels: Int8Kernels,
-        w8a8_min_rows: int | None, out_dtype: torch.dtype | None = None,
+        w8a8_min_rows: int | None, out_dtype: torch.dtype | None = None, vnni: bool = False,
     ) -> None:
         """weight: a float weight, quantized here per output channel, or a checkpoint's QuantizedWeight,
         packed as it is. w8a8_min_rows: the row count from which W8A8 runs (None: never). out_dtype:
-        the result's dtype (None: the activations')."""
-        self.kernels, self.w8a8_min_rows, self.out_dtype = kernels, w8a8_min_rows, out_dtype
+        the result's dtype (None: the activations'). vnni: the AVX512-VNNI kernel at every row count
+        instead (cpu_int8.vnni_supported)."""
+        self.kernels, self.w8a8_min_rows, self.out_dtype, self.vnni = kernels, w8a8_min_rows, out_dtype, vnni
         self.perm = None  # act-order: the input columns in the order of the packed weight's
+        pack = pack_int8_vnni if vnni else kernels.pack
         if isinstance(weight, QuantizedWeight):
-            self.weight = kernels.pack(weight.qweight, weight.scales, weight.group_size)
+            self.weight = pack(weight.qweight, weight.scales, weight.group_size)
             self.perm = weight.perm
         else:
-            self.weight = kernels.pack(*quantize_weight_int8(weight))
+            self.weight = pack(*quantize_weight_int8(weight))
         self.bias = bias.detach().float().contiguous() if bias is not None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -133,7 +136,9 @@ class Int8Gemm:
         x2 = x.reshape(-1, x.shape[-1])  # [rows, in]
         if self.perm is not None:
             x2 = x2.index_select(1, self.perm)  # groups contiguous, as the weight was packed
-        if self.w8a8_min_rows is not None and x2.shape[0] >= self.w8a8_min_rows:
+        if self.vnni:
+            y = self.kernels.vnni(x2, self.weight, self.bias, out_dtype)
+        elif self.w8a8_min_rows is not None and x2.shape[0] >= self.w8a8_min_rows:
             y = self.kernels.w8a8(x2.to(torch.float32), self.weight, self.bias)
         else:
             y = self.kernels.w8a16(x2, self.weight, self.bias, out_dtype)

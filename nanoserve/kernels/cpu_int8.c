@@ -715,6 +715,192 @@ static inline __attribute__((always_inline)) void w4a8_tile(const int mb, const 
 }
 #endif
 
+/* ------------------------------------------------------------------------------------------ */
+/* AVX-512 VNNI: the same W4A8 panels, and int8 weights, through vpdpbusd (zmm: 16 columns x 4    */
+/* consecutive inputs, u8 weights times s8 activations summed into int32, 64 multiply-adds per    */
+/* instruction; no int16 sums to widen or saturate). A W4A8 panel's 64 bytes for 8 inputs are    */
+/* already that operand: low nibbles inputs 0-3, high nibbles 4-7, columns 0-15 in order. int8   */
+/* weights are stored as u = q + 128 in [1, 255], [Kp / 4][16][4] bytes per panel, so that they  */
+/* too are the unsigned operand and the activations the broadcast signed one; the 128 is a zero   */
+/* point, offsets = -128 * s, through the W4A8 zero-point term (xg). Per block of 32 inputs and   */
+/* row, each float32 sum is updated by the same operations in the same order as the AVX2 W4A8     */
+/* tile's, so both give the same bits (int8 per channel scales once per column instead).           */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define VNNI 1
+#define VNNI_ROWS 8 /* 8 int32 + 8 float32 accumulators, the weights and a scale: 18 of 32 zmm */
+
+/* One row's exact outliers and zero-point term, added to its float32 sums acc (16 columns). */
+static inline __m512 vnni_row_finish(__m512 acc, const int bits, int64_t m, const int32_t *on, const int32_t *ok,
+                                     const float *ov, int64_t E, const float *xg, int64_t G, const uint8_t *panel,
+                                     const float *scales, const float *offsets, int64_t Np, int64_t group,
+                                     int64_t n0) {
+    for (int32_t i = 0; i < on[m]; i++) {  /* x * (u - z) * s in float32, u read back from the panel */
+        const int64_t k = ok[m * E + i], g = k / group;
+        __m512i u;
+        if (bits == 8) {
+            const __m512i v = _mm512_loadu_si512(panel + (k / 4) * 64);
+            u = _mm512_and_si512(_mm512_srl_epi32(v, _mm_cvtsi32_si128((int)(8 * (k % 4)))), _mm512_set1_epi32(0xFF));
+        } else {
+            const int64_t kk = k % 8;
+            const __m512i v = _mm512_loadu_si512(panel + (k / 8) * 64);
+            u = _mm512_and_si512(_mm512_srl_epi32(v, _mm_cvtsi32_si128((int)(8 * (kk % 4) + 4 * (kk / 4)))),
+                                 _mm512_set1_epi32(0x0F));
+        }
+        const __m512 w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u), _mm512_loadu_ps(scales + g * Np + n0),
+                                         _mm512_loadu_ps(offsets + g * Np + n0));
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(ov[m * E + i]), w, acc);
+    }
+    for (int64_t g = 0; g < G; g++)  /* the zero points: once per group */
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(xg[m * G + g]), _mm512_loadu_ps(offsets + g * Np + n0), acc);
+    return acc;
+}
+
+/* Rows m0 .. m0+mb-1 of the quantized x against one panel of `bits`-bit weights (4: W4A8's panel,
+   8: the int8 one). Named accumulators, as in the AVX2 tiles. */
+static inline __attribute__((always_inline)) void vnni_tile(const int mb, const int bits, const int8_t *xq,
+                                                             const float *xs, const float *xg, const int32_t *on,
+                                                             const int32_t *ok, const float *ov, int64_t m0,
+                                                             int64_t Kp, int64_t G, const int8_t *panel_bytes_,
+                                                             const float *scales, const float *offsets, int64_t Np,
+                                                             int64_t group, int64_t n0, int64_t nn, int64_t N,
+                                                             const float *bias, float *y) {
+    const uint8_t *panel = (const uint8_t *)panel_bytes_;
+    const int64_t B = Kp / W4_BLOCK, E = B * W4_MAX_OUTLIERS, block_bytes = W4_BLOCK * I8_PANEL * bits / 8;
+    const int64_t per_group = G == 1 ? B : group / W4_BLOCK;
+    /* int8 per channel: the sums scaled by the activations' block scales only, the column scale once */
+    const int per_channel = bits == 8 && G == 1;
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    __m512 f0 = _mm512_setzero_ps(), f1 = f0, f2 = f0, f3 = f0, f4 = f0, f5 = f0, f6 = f0, f7 = f0;
+    for (int64_t b = 0, g = 0, left = per_group; b < B; b++) {
+        __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+        const uint8_t *w = panel + b * block_bytes;
+        const int8_t *xb = xq + m0 * Kp + b * W4_BLOCK;
+#define VNNI_ROW(r, wv, at)                                                                       \
+    if (mb > r) {                                                                                 \
+        int32_t q4; /* 4 inputs, broadcast to the 16 columns */                                   \
+        memcpy(&q4, xb + r * Kp + (at), 4);                                                       \
+        a##r = _mm512_dpbusd_epi32(a##r, wv, _mm512_set1_epi32(q4));                              \
+    }
+#define VNNI_STEP(wv, at) VNNI_ROW(0, wv, at) VNNI_ROW(1, wv, at) VNNI_ROW(2, wv, at) VNNI_ROW(3, wv, at) \
+                          VNNI_ROW(4, wv, at) VNNI_ROW(5, wv, at) VNNI_ROW(6, wv, at) VNNI_ROW(7, wv, at)
+        if (bits == 8) {
+            for (int s = 0; s < W4_BLOCK / 4; s++) {
+                _mm_prefetch((const char *)(w + 64 * s) + W4_PREFETCH, _MM_HINT_T0);
+                const __m512i wv = _mm512_loadu_si512(w + 64 * s);
+                VNNI_STEP(wv, 4 * s)
+            }
+        } else {
+            for (int s = 0; s < W4_BLOCK / 8; s++) {
+                _mm_prefetch((const char *)(w + 64 * s) + W4_PREFETCH, _MM_HINT_T0);
+                const __m512i v = _mm512_loadu_si512(w + 64 * s);
+                const __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+                VNNI_STEP(lo, 8 * s) VNNI_STEP(hi, 8 * s + 4)
+            }
+        }
+#undef VNNI_STEP
+#undef VNNI_ROW
+        if (left == 0) g++, left = per_group;
+        left--;
+        if (per_channel) {  /* one scale per column: applied once, after the last block */
+#define VNNI_FLUSH(r) \
+    if (mb > r) f##r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a##r), _mm512_set1_ps(xs[(m0 + r) * B + b]), f##r);
+            VNNI_FLUSH(0) VNNI_FLUSH(1) VNNI_FLUSH(2) VNNI_FLUSH(3) VNNI_FLUSH(4) VNNI_FLUSH(5) VNNI_FLUSH(6) VNNI_FLUSH(7)
+#undef VNNI_FLUSH
+        } else {  /* W4A8's operations in its order */
+            const __m512 s = _mm512_loadu_ps(scales + g * Np + n0);
+#define VNNI_FLUSH(r)                                                                             \
+    if (mb > r)                                                                                   \
+        f##r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a##r), _mm512_mul_ps(s, _mm512_set1_ps(xs[(m0 + r) * B + b])), f##r);
+            VNNI_FLUSH(0) VNNI_FLUSH(1) VNNI_FLUSH(2) VNNI_FLUSH(3) VNNI_FLUSH(4) VNNI_FLUSH(5) VNNI_FLUSH(6) VNNI_FLUSH(7)
+#undef VNNI_FLUSH
+        }
+    }
+    if (per_channel) {
+        const __m512 s = _mm512_loadu_ps(scales + n0);
+        f0 = _mm512_mul_ps(f0, s), f1 = _mm512_mul_ps(f1, s), f2 = _mm512_mul_ps(f2, s), f3 = _mm512_mul_ps(f3, s);
+        f4 = _mm512_mul_ps(f4, s), f5 = _mm512_mul_ps(f5, s), f6 = _mm512_mul_ps(f6, s), f7 = _mm512_mul_ps(f7, s);
+    }
+    const __mmask16 mask = (__mmask16)((1u << nn) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+#define VNNI_STORE(r)                                                                             \
+    if (mb > r) {                                                                                 \
+        const __m512 acc = vnni_row_finish(f##r, bits, m0 + r, on, ok, ov, E, xg, G, panel, scales, offsets, Np, \
+                                           group, n0);                                            \
+        _mm512_mask_storeu_ps(y + (m0 + r) * N + n0, mask, bias ? _mm512_add_ps(acc, bv) : acc); \
+    }
+    VNNI_STORE(0) VNNI_STORE(1) VNNI_STORE(2) VNNI_STORE(3) VNNI_STORE(4) VNNI_STORE(5) VNNI_STORE(6) VNNI_STORE(7)
+#undef VNNI_STORE
+}
+
+#define VNNI_ROW_TILES(TILE, ...)                                                                \
+    do {                                                                                         \
+        int64_t m0 = r0;                                                                         \
+        for (; m0 + VNNI_ROWS <= r1; m0 += VNNI_ROWS) TILE(VNNI_ROWS, __VA_ARGS__);              \
+        switch (r1 - m0) {                                                                       \
+            case 7: TILE(7, __VA_ARGS__); break;                                                 \
+            case 6: TILE(6, __VA_ARGS__); break;                                                 \
+            case 5: TILE(5, __VA_ARGS__); break;                                                 \
+            case 4: TILE(4, __VA_ARGS__); break;                                                 \
+            case 3: TILE(3, __VA_ARGS__); break;                                                 \
+            case 2: TILE(2, __VA_ARGS__); break;                                                 \
+            case 1: TILE(1, __VA_ARGS__); break;                                                 \
+            default: break;                                                                      \
+        }                                                                                        \
+    } while (0)
+#define vnni_tile_w4(mb, ...) vnni_tile(mb, 4, __VA_ARGS__)
+#define vnni_tile_w8(mb, ...) vnni_tile(mb, 8, __VA_ARGS__)
+#else
+#define VNNI 0
+#endif
+
+int vnni_supported(void) { return VNNI; }
+
+/* W4A8 runs on the VNNI tile where the CPU has it (1, the default) or on the AVX2 one (0): for tests
+   and bench.py, which compare the two. */
+static int w4a8_vnni = VNNI;
+void set_w4a8_vnni(int on) { w4a8_vnni = on && VNNI; }
+
+/* y[M, N] = x[M, K] . ((u - z) * s)^T (+ bias) with `bits`-bit weights u in VNNI panels (4: the W4A8
+   layout; 8: [ceil(N / 16)][Kp / 4][16][4] bytes), x quantized per block of 32 inputs as for W4A8.
+   Returns 1 without VNNI, 2 without memory for the quantized activations. */
+static int vnni_gemm_f32(const float *x, int64_t M, int64_t K, const int8_t *panels, const float *scales,
+                         const float *offsets, int64_t group, const int bits, int64_t N, const float *bias, float *y,
+                         int num_threads) {
+#if VNNI
+    const int64_t Kp = (K + W4_BLOCK - 1) / W4_BLOCK * W4_BLOCK, B = Kp / W4_BLOCK, E = B * W4_MAX_OUTLIERS;
+    const int64_t Np = (N + I8_PANEL - 1) / I8_PANEL * I8_PANEL;
+    const int64_t G = (K + group - 1) / group, panel_bytes = Kp * I8_PANEL * bits / 8;
+    int8_t *xq = malloc((size_t)(M * Kp));
+    float *xs = malloc((size_t)(M * B) * sizeof(float)), *xg = malloc((size_t)(M * G) * sizeof(float));
+    float *ov = malloc((size_t)(M * E) * sizeof(float));
+    int32_t *on = malloc((size_t)M * sizeof(int32_t)), *ok = malloc((size_t)(M * E) * sizeof(int32_t));
+    int rc = 2;
+    if (xq == NULL || xs == NULL || xg == NULL || ov == NULL || on == NULL || ok == NULL) goto done;
+    quantize_blocks_int8(x, M, K, Kp, group, xq, xs, xg, on, ok, ov, num_threads);
+    if (bits == 8)
+        I8_DRIVE_TILES(VNNI_ROW_TILES, vnni_tile_w8, xq, xs, xg, on, ok, ov, m0, Kp, G, panel, scales, offsets, Np,
+                       group, n0, nn, N, bias, y);
+    else
+        I8_DRIVE_TILES(VNNI_ROW_TILES, vnni_tile_w4, xq, xs, xg, on, ok, ov, m0, Kp, G, panel, scales, offsets, Np,
+                       group, n0, nn, N, bias, y);
+    rc = 0;
+done:
+    free(xq), free(xs), free(xg), free(ov), free(on), free(ok);
+    return rc;
+#else
+    (void)bits; (void)x; (void)M; (void)K; (void)panels; (void)scales; (void)offsets; (void)group; (void)N;
+    (void)bias; (void)y; (void)num_threads;
+    return 1;
+#endif
+}
+
+/* int8 weights (u = q + 128) through VNNI, on float32 or bf16 x and y (io: IO_* flags). group: a
+   multiple of 32, or >= K. */
+int int8_gemm_vnni(const void *x, int64_t M, int64_t K, const int8_t *panels, const float *scales,
+                   const float *offsets, int64_t group, int64_t N, const float *bias, void *y, int io, int num_threads) {
+    BF16_IO_ENTRY(vnni_gemm_f32, M, K, panels, scales, offsets, group, 8, N, bias);
+}
+
 /* y[M, N] = x[M, K] . ((q - z) * s)^T (+ bias), x and y float32: x quantized here by
    quantize_blocks_int8 (one call does both: at one row the quantization is a few microseconds, its
    buffers from Python were ten times that), then the W4A8 panels; scales and offsets as for W4A16.
@@ -722,6 +908,7 @@ static inline __attribute__((always_inline)) void w4a8_tile(const int mb, const 
    activations cannot be allocated. */
 static int int4_gemm_w4a8_f32(const float *x, int64_t M, int64_t K, const int8_t *panels, const float *scales,
                    const float *offsets, int64_t group, int64_t N, const float *bias, float *y, int num_threads) {
+    if (w4a8_vnni) return vnni_gemm_f32(x, M, K, panels, scales, offsets, group, 4, N, bias, y, num_threads);
 #if defined(__AVX2__) && defined(__FMA__)
     const int64_t Kp = (K + W4_BLOCK - 1) / W4_BLOCK * W4_BLOCK, B = Kp / W4_BLOCK, E = B * W4_MAX_OUTLIERS;
     const int64_t Np = (N + I8_PANEL - 1) / I8_PANEL * I8_PANEL;
@@ -832,3 +1019,47 @@ INT_PEAK_LOOP(peak_loop_maddubs_i16, const __m256i w = _mm256_set1_epi8(3), MADD
 #define MADDUBS_U8S8(c) c = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(c, w), ones), w)
 INT_PEAK_LOOP(peak_loop_maddubs_u8s8, const __m256i ones = _mm256_set1_epi16(1); const __m256i w = _mm256_set1_epi8(3),
               MADDUBS_U8S8, 32)
+
+/* AVX-512 (0 where the CPU or the build lacks it): the float32 FMA on zmm, the VNNI u8 x s8 dot
+   product (vpdpbusd, the int8 VNNI kernel's) and the bf16 pair dot product (vdpbf16ps, oneDNN's bf16
+   GEMM on AVX512-BF16). */
+#define ZMM_PEAK_LOOP(NAME, ENABLED, TYPE, SETUP, INIT, STEP, MACS)                                        \
+    double NAME(int64_t iters, int num_threads) {                                                           \
+        if (!(ENABLED)) return 0.0 * (double)iters * num_threads;                                          \
+        ZMM_PEAK_BODY(TYPE, SETUP, INIT, STEP, MACS)                                                        \
+    }
+#define ZLAUNDER(v) __asm__ volatile("" : "+v"(v))
+#define ZCHAINS(S) S(c0) S(c1) S(c2) S(c3) S(c4) S(c5) S(c6) S(c7) S(c8) S(c9) S(c10) S(c11)
+#define ZSINK(c) ZLAUNDER(c);
+#define ZMM_PEAK_BODY(TYPE, SETUP, INIT, STEP, MACS)                                                        \
+    _Pragma("omp parallel num_threads(num_threads)")                                                        \
+    {                                                                                                       \
+        SETUP;                                                                                              \
+        TYPE c0 = INIT, c1 = INIT, c2 = INIT, c3 = INIT, c4 = INIT, c5 = INIT, c6 = INIT, c7 = INIT,        \
+             c8 = INIT, c9 = INIT, c10 = INIT, c11 = INIT;                                                  \
+        ZCHAINS(ZSINK)                                                                                      \
+        for (int64_t i = 0; i < iters; i++) { ZCHAINS(STEP) }                                               \
+        ZCHAINS(ZSINK)                                                                                      \
+    }                                                                                                       \
+    return (double)iters * 12 * (MACS) * num_threads;
+
+#if defined(__AVX512F__)
+#define FMA_ZMM(c) c = _mm512_fmadd_ps(c, b, a);
+ZMM_PEAK_LOOP(peak_loop_fma_f32_zmm, 1, __m512, const __m512 a = _mm512_set1_ps(1e-7f); const __m512 b = _mm512_set1_ps(0.999f),
+              _mm512_set1_ps(1.0f), FMA_ZMM, 16)
+#else
+double peak_loop_fma_f32_zmm(int64_t iters, int num_threads) { (void)iters; (void)num_threads; return 0.0; }
+#endif
+#if VNNI
+#define DPBUSD_ZMM(c) c = _mm512_dpbusd_epi32(c, w, w);
+ZMM_PEAK_LOOP(peak_loop_dpbusd, 1, __m512i, const __m512i w = _mm512_set1_epi8(3), _mm512_set1_epi32(1), DPBUSD_ZMM, 64)
+#else
+double peak_loop_dpbusd(int64_t iters, int num_threads) { (void)iters; (void)num_threads; return 0.0; }
+#endif
+#if defined(__AVX512BF16__)
+#define DPBF16_ZMM(c) c = _mm512_dpbf16_ps(c, w, w);
+ZMM_PEAK_LOOP(peak_loop_dpbf16, 1, __m512, const __m512bh w = (__m512bh)_mm512_set1_epi16(0x3f80), _mm512_set1_ps(0.0f),
+              DPBF16_ZMM, 32)
+#else
+double peak_loop_dpbf16(int64_t iters, int num_threads) { (void)iters; (void)num_threads; return 0.0; }
+#endif

@@ -139,6 +139,22 @@ class Int8Kernels:
         padded[:, :n] = scales.float().T
         return PackedInt8(panels, padded, n, k, group)
 
+    def vnni(self, x: torch.Tensor, w: PackedInt8VNNI, bias: torch.Tensor | None = None,
+             out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """x [M, K] bf16 or float32, quantized per block of 32 inputs in the kernel -> [M, N] (bf16 if
+        out_dtype is, else float32; bias float32). Needs AVX512-VNNI (vnni_supported)."""
+        x, y, io = gemm_operands(x, w.out_features, out_dtype)
+        with traced("nanoserve::cpu_int8_vnni"):
+            rc = self.lib.int8_gemm_vnni(x.data_ptr(), x.shape[0], w.in_features, w.panels.data_ptr(),
+                                         w.scales.data_ptr(), w.offsets.data_ptr(), w.group_size, w.out_features,
+                                         bias.data_ptr() if bias is not None else None, y.data_ptr(), io,
+                                         torch.get_num_threads())
+        if rc == 1:
+            raise ValueError("int8_gemm_vnni needs the CPU kernels built with AVX512-VNNI")
+        if rc != 0:
+            raise MemoryError(f"int8_gemm_vnni failed ({rc}): no memory for the quantized activations")
+        return y
+
     def _group(self, w: PackedInt8) -> int:
         # one group (per channel) spans the padded width, so the W8A8 pairs never straddle it
         return w.padded_in if w.group_size >= w.in_features else w.group_size
@@ -300,6 +316,61 @@ def pack_int4(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_
     s[:, :n] = scales.float().T
     o[:, :n] = -(zeros.float() * scales.float()).T
     return PackedInt4(panels, s, o, n, k, group, w4a8)
+
+
+# ---- int8 weights through VNNI ------------------------------------------------------------------
+
+VNNI_ZERO = 128  # int8 weights are stored as q + 128: the unsigned operand of vpdpbusd, 128 its zero point
+
+
+def vnni_supported(group_size: int, in_features: int, lib: ctypes.CDLL) -> bool:
+    """Does the int8 VNNI kernel run this weight here (AVX512-VNNI, groups of whole activation blocks)?"""
+    return bool(lib.vnni_supported()) and w4a8_supported(group_size, in_features)
+
+
+def int8_gemm_vnni_torch(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group_size: int | None = None,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] float32, quantized per block of 32 inputs as for W4A8 (outliers exact), times the int8
+    weight q [N, K] with scales [N, groups] -> [M, N] float32."""
+    group = check_group_size(group_size, q.shape[1])
+    u = (q.int() + VNNI_ZERO).to(torch.uint8)
+    return int4_gemm_w4a8_torch(x, u, torch.full_like(scales, VNNI_ZERO), scales, group, bias)
+
+
+@dataclass(frozen=True)
+class PackedInt8VNNI:
+    """An int8 weight for the VNNI kernel: panels [ceil(N / 16), Kp / 4, 16, 4] uint8 holding q + 128
+    (Kp = K rounded up to 32; padding 128, i.e. 0): per 4 inputs, 16 columns of 4 bytes, the operand of
+    vpdpbusd. scales and offsets (-128 * s) [groups, ceil(N / 16) * 16] float32."""
+    panels: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor
+    out_features: int
+    in_features: int
+    group_size: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.panels, self.scales, self.offsets))
+
+
+def pack_int8_vnni(q: torch.Tensor, scales: torch.Tensor, group_size: int | None = None) -> PackedInt8VNNI:
+    """q [N, K] int8 and scales [N, ceil(K / group_size)] (quantize_weight_int8) -> the VNNI layout;
+    group_size a multiple of 32 or None (per channel)."""
+    n, k = q.shape if q.dim() == 2 else (0, 0)
+    group = check_group_size(group_size, k)
+    if q.dtype != torch.int8 or q.dim() != 2 or tuple(scales.shape) != (n, -(-k // group)):
+        raise ValueError("pack_int8_vnni takes q [N, K] int8 and scales [N, ceil(K / group_size)]")
+    if not w4a8_supported(group, k):
+        raise ValueError(f"the VNNI kernel needs group_size a multiple of {W4A8_BLOCK} or None, got {group_size}")
+    num_panels, kp = -(-n // PANEL), -(-k // W4A8_BLOCK) * W4A8_BLOCK
+    u = torch.full((num_panels * PANEL, kp), VNNI_ZERO, dtype=torch.uint8)
+    u[:n, :k] = (q.int() + VNNI_ZERO).to(torch.uint8)
+    # [P, column, step, input] -> [P, step, column, input]
+    panels = u.view(num_panels, PANEL, kp // 4, 4).transpose(1, 2).contiguous()
+    s = torch.zeros(scales.shape[1], num_panels * PANEL, dtype=torch.float32)
+    s[:, :n] = scales.float().T
+    return PackedInt8VNNI(panels, s, -VNNI_ZERO * s, n, k, group)
 
 
 class Int4Kernels:

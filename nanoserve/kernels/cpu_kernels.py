@@ -53,15 +53,22 @@ SIGNATURES = {
     "int4_gemm_w4a16": [_P, _I64, _I64, _P, _P, _P, _I64, _I64, _P, _P, _I32, _I32],
     "quantize_blocks_int8": [_P, _I64, _I64, _I64, _I64] + [_P] * 6 + [_I32],
     "int4_gemm_w4a8": [_P, _I64, _I64, _P, _P, _P, _I64, _I64, _P, _P, _I32, _I32],
+    "vnni_supported": [],
+    "set_w4a8_vnni": [_I32],
+    "int8_gemm_vnni": [_P, _I64, _I64, _P, _P, _P, _I64, _I64, _P, _P, _I32, _I32],
     "peak_loop_fma_f32": [_I64, _I32],
     "peak_loop_madd_i16": [_I64, _I32],
     "peak_loop_maddubs_u8s8": [_I64, _I32],
     "peak_loop_maddubs_i16": [_I64, _I32],
+    "peak_loop_fma_f32_zmm": [_I64, _I32],
+    "peak_loop_dpbusd": [_I64, _I32],
+    "peak_loop_dpbf16": [_I64, _I32],
 }
 RETURNS_INT = ("paged_attention_f32", "paged_decode_f32", "panel_gemm_bf16", "panel_gemm_supported",
                "decode_layers_bf16", "int8_gemm_supported", "int8_gemm_w8a16", "int8_gemm_w8a8", "int4_gemm_w4a16",
-               "int4_gemm_w4a8")
-RETURNS_DOUBLE = ("peak_loop_fma_f32", "peak_loop_madd_i16", "peak_loop_maddubs_u8s8", "peak_loop_maddubs_i16")
+               "int4_gemm_w4a8", "vnni_supported", "int8_gemm_vnni")
+RETURNS_DOUBLE = ("peak_loop_fma_f32", "peak_loop_madd_i16", "peak_loop_maddubs_u8s8", "peak_loop_maddubs_i16",
+                  "peak_loop_fma_f32_zmm", "peak_loop_dpbusd", "peak_loop_dpbf16")
 PANEL = 16  # output columns per packed weight panel (cpu_kernels.c)
 
 
