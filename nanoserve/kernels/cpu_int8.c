@@ -755,8 +755,33 @@ static inline __m512 vnni_row_finish(__m512 acc, const int bits, int64_t m, cons
     return acc;
 }
 
-/* Rows m0 .. m0+mb-1 of the quantized x against one panel of `bits`-bit weights (4: W4A8's panel,
-   8: the int8 one). Named accumulators, as in the AVX2 tiles. */
+/* The quantized activations rearranged for the tiles: per tile of VNNI_ROWS rows and block of 32
+   inputs, the rows' 32 bytes one after another (xt [tiles][B][VNNI_ROWS][32]), and their block
+   scales (xst [tiles][B][VNNI_ROWS]); rows past M zero. Row-major, the tile's eight row pointers and
+   the weights' took more general registers than there are, and GCC spilled them in the inner loop. */
+static void vnni_tile_rows(const int8_t *xq, const float *xs, int64_t M, int64_t Kp, int8_t *xt, float *xst,
+                           int num_threads) {
+    const int64_t B = Kp / W4_BLOCK, tiles = (M + VNNI_ROWS - 1) / VNNI_ROWS;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * Kp > 65536)
+    for (int64_t t = 0; t < tiles; t++) {
+        for (int64_t b = 0; b < B; b++) {
+            for (int64_t r = 0; r < VNNI_ROWS; r++) {
+                const int64_t m = t * VNNI_ROWS + r, at = (t * B + b) * VNNI_ROWS + r;
+                if (m < M) {
+                    memcpy(xt + at * W4_BLOCK, xq + m * Kp + b * W4_BLOCK, W4_BLOCK);
+                    xst[at] = xs[m * B + b];
+                } else {
+                    memset(xt + at * W4_BLOCK, 0, W4_BLOCK);
+                    xst[at] = 0.0f;
+                }
+            }
+        }
+    }
+}
+
+/* Rows m0 .. m0+mb-1 (m0 a multiple of VNNI_ROWS) of the quantized x, as vnni_tile_rows laid them
+   out, against one panel of `bits`-bit weights (4: W4A8's panel, 8: the int8 one). Named
+   accumulators, as in the AVX2 tiles. */
 static inline __attribute__((always_inline)) void vnni_tile(const int mb, const int bits, const int8_t *xq,
                                                              const float *xs, const float *xg, const int32_t *on,
                                                              const int32_t *ok, const float *ov, int64_t m0,
@@ -766,6 +791,9 @@ static inline __attribute__((always_inline)) void vnni_tile(const int mb, const 
                                                              const float *bias, float *y) {
     const uint8_t *panel = (const uint8_t *)panel_bytes_;
     const int64_t B = Kp / W4_BLOCK, E = B * W4_MAX_OUTLIERS, block_bytes = W4_BLOCK * I8_PANEL * bits / 8;
+    /* this tile's activations, block by block (vnni_tile_rows): one pointer, constant offsets */
+    const int8_t *xt = xq + (m0 / VNNI_ROWS) * B * VNNI_ROWS * W4_BLOCK;
+    const float *xst = xs + (m0 / VNNI_ROWS) * B * VNNI_ROWS;
     const int64_t per_group = G == 1 ? B : group / W4_BLOCK;
     /* int8 per channel: the sums scaled by the activations' block scales only, the column scale once */
     const int per_channel = bits == 8 && G == 1;
@@ -774,11 +802,12 @@ static inline __attribute__((always_inline)) void vnni_tile(const int mb, const 
     for (int64_t b = 0, g = 0, left = per_group; b < B; b++) {
         __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
         const uint8_t *w = panel + b * block_bytes;
-        const int8_t *xb = xq + m0 * Kp + b * W4_BLOCK;
+        const int8_t *xb = xt + b * VNNI_ROWS * W4_BLOCK;
+        const float *xsb = xst + b * VNNI_ROWS;
 #define VNNI_ROW(r, wv, at)                                                                       \
     if (mb > r) {                                                                                 \
         int32_t q4; /* 4 inputs, broadcast to the 16 columns */                                   \
-        memcpy(&q4, xb + r * Kp + (at), 4);                                                       \
+        memcpy(&q4, xb + r * W4_BLOCK + (at), 4);                                                 \
         a##r = _mm512_dpbusd_epi32(a##r, wv, _mm512_set1_epi32(q4));                              \
     }
 #define VNNI_STEP(wv, at) VNNI_ROW(0, wv, at) VNNI_ROW(1, wv, at) VNNI_ROW(2, wv, at) VNNI_ROW(3, wv, at) \
@@ -803,14 +832,14 @@ static inline __attribute__((always_inline)) void vnni_tile(const int mb, const 
         left--;
         if (per_channel) {  /* one scale per column: applied once, after the last block */
 #define VNNI_FLUSH(r) \
-    if (mb > r) f##r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a##r), _mm512_set1_ps(xs[(m0 + r) * B + b]), f##r);
+    if (mb > r) f##r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a##r), _mm512_set1_ps(xsb[r]), f##r);
             VNNI_FLUSH(0) VNNI_FLUSH(1) VNNI_FLUSH(2) VNNI_FLUSH(3) VNNI_FLUSH(4) VNNI_FLUSH(5) VNNI_FLUSH(6) VNNI_FLUSH(7)
 #undef VNNI_FLUSH
         } else {  /* W4A8's operations in its order */
             const __m512 s = _mm512_loadu_ps(scales + g * Np + n0);
 #define VNNI_FLUSH(r)                                                                             \
     if (mb > r)                                                                                   \
-        f##r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a##r), _mm512_mul_ps(s, _mm512_set1_ps(xs[(m0 + r) * B + b])), f##r);
+        f##r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a##r), _mm512_mul_ps(s, _mm512_set1_ps(xsb[r])), f##r);
             VNNI_FLUSH(0) VNNI_FLUSH(1) VNNI_FLUSH(2) VNNI_FLUSH(3) VNNI_FLUSH(4) VNNI_FLUSH(5) VNNI_FLUSH(6) VNNI_FLUSH(7)
 #undef VNNI_FLUSH
         }
@@ -874,18 +903,23 @@ static int vnni_gemm_f32(const float *x, int64_t M, int64_t K, const int8_t *pan
     float *xs = malloc((size_t)(M * B) * sizeof(float)), *xg = malloc((size_t)(M * G) * sizeof(float));
     float *ov = malloc((size_t)(M * E) * sizeof(float));
     int32_t *on = malloc((size_t)M * sizeof(int32_t)), *ok = malloc((size_t)(M * E) * sizeof(int32_t));
+    const int64_t Mt = (M + VNNI_ROWS - 1) / VNNI_ROWS * VNNI_ROWS;
+    int8_t *xt = malloc((size_t)(Mt * Kp));
+    float *xst = malloc((size_t)(Mt * B) * sizeof(float));
     int rc = 2;
-    if (xq == NULL || xs == NULL || xg == NULL || ov == NULL || on == NULL || ok == NULL) goto done;
+    if (xq == NULL || xs == NULL || xg == NULL || ov == NULL || on == NULL || ok == NULL || xt == NULL || xst == NULL)
+        goto done;
     quantize_blocks_int8(x, M, K, Kp, group, xq, xs, xg, on, ok, ov, num_threads);
+    vnni_tile_rows(xq, xs, M, Kp, xt, xst, num_threads);
     if (bits == 8)
-        I8_DRIVE_TILES(VNNI_ROW_TILES, vnni_tile_w8, xq, xs, xg, on, ok, ov, m0, Kp, G, panel, scales, offsets, Np,
+        I8_DRIVE_TILES(VNNI_ROW_TILES, vnni_tile_w8, xt, xst, xg, on, ok, ov, m0, Kp, G, panel, scales, offsets, Np,
                        group, n0, nn, N, bias, y);
     else
-        I8_DRIVE_TILES(VNNI_ROW_TILES, vnni_tile_w4, xq, xs, xg, on, ok, ov, m0, Kp, G, panel, scales, offsets, Np,
+        I8_DRIVE_TILES(VNNI_ROW_TILES, vnni_tile_w4, xt, xst, xg, on, ok, ov, m0, Kp, G, panel, scales, offsets, Np,
                        group, n0, nn, N, bias, y);
     rc = 0;
 done:
-    free(xq), free(xs), free(xg), free(ov), free(on), free(ok);
+    free(xq), free(xs), free(xg), free(ov), free(on), free(ok), free(xt), free(xst);
     return rc;
 #else
     (void)bits; (void)x; (void)M; (void)K; (void)panels; (void)scales; (void)offsets; (void)group; (void)N;
