@@ -727,7 +727,18 @@ static inline __attribute__((always_inline)) void w4a8_tile(const int mb, const 
 /* tile's, so both give the same bits (int8 per channel scales once per column instead).           */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define VNNI 1
-#define VNNI_ROWS 8 /* 8 int32 + 8 float32 accumulators, the weights and a scale: 18 of 32 zmm */
+#define VNNI_PREFETCH 8192 /* bytes ahead: the first row tile of a panel streams it from DRAM */
+#define VNNI_ROWS 8 /* 16 int32 + 8 float32 accumulators, the weights and a scale: 27 of 32 zmm */
+
+/* 16 float32 lanes rounded to bf16 as cpu_kernels.c's f32_to_bf16 (nearest even; NaN quiet). */
+static inline __m256i vnni_f32_to_bf16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v), hi = _mm512_srli_epi32(u, 16);
+    const __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(hi, _mm512_set1_epi32(1)))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40))));
+}
 
 /* One row's exact outliers and zero-point term, added to its float32 sums acc (16 columns). */
 static inline __m512 vnni_row_finish(__m512 acc, const int bits, int64_t m, const int32_t *on, const int32_t *ok,
@@ -788,7 +799,7 @@ static inline __attribute__((always_inline)) void vnni_tile(const int mb, const 
                                                              int64_t Kp, int64_t G, const int8_t *panel_bytes_,
                                                              const float *scales, const float *offsets, int64_t Np,
                                                              int64_t group, int64_t n0, int64_t nn, int64_t N,
-                                                             const float *bias, float *y) {
+                                                             const float *bias, void *y, const int y_bf16) {
     const uint8_t *panel = (const uint8_t *)panel_bytes_;
     const int64_t B = Kp / W4_BLOCK, E = B * W4_MAX_OUTLIERS, block_bytes = W4_BLOCK * I8_PANEL * bits / 8;
     /* this tile's activations, block by block (vnni_tile_rows): one pointer, constant offsets */
@@ -800,30 +811,35 @@ static inline __attribute__((always_inline)) void vnni_tile(const int mb, const 
     const __m512i nibble = _mm512_set1_epi8(0x0F);
     __m512 f0 = _mm512_setzero_ps(), f1 = f0, f2 = f0, f3 = f0, f4 = f0, f5 = f0, f6 = f0, f7 = f0;
     for (int64_t b = 0, g = 0, left = per_group; b < B; b++) {
+        /* two int32 chains a row (a: even steps or low nibbles, b: odd steps or high): half as long,
+           so the block's flush waits less on vpdpbusd's latency */
         __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+        __m512i b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0, b6 = a0, b7 = a0;
         const uint8_t *w = panel + b * block_bytes;
         const int8_t *xb = xt + b * VNNI_ROWS * W4_BLOCK;
         const float *xsb = xst + b * VNNI_ROWS;
-#define VNNI_ROW(r, wv, at)                                                                       \
+#define VNNI_ROW(acc, r, wv, at)                                                                  \
     if (mb > r) {                                                                                 \
         int32_t q4; /* 4 inputs, broadcast to the 16 columns */                                   \
         memcpy(&q4, xb + r * W4_BLOCK + (at), 4);                                                 \
-        a##r = _mm512_dpbusd_epi32(a##r, wv, _mm512_set1_epi32(q4));                              \
+        acc##r = _mm512_dpbusd_epi32(acc##r, wv, _mm512_set1_epi32(q4));                          \
     }
-#define VNNI_STEP(wv, at) VNNI_ROW(0, wv, at) VNNI_ROW(1, wv, at) VNNI_ROW(2, wv, at) VNNI_ROW(3, wv, at) \
-                          VNNI_ROW(4, wv, at) VNNI_ROW(5, wv, at) VNNI_ROW(6, wv, at) VNNI_ROW(7, wv, at)
+#define VNNI_STEP(acc, wv, at) VNNI_ROW(acc, 0, wv, at) VNNI_ROW(acc, 1, wv, at) VNNI_ROW(acc, 2, wv, at) \
+    VNNI_ROW(acc, 3, wv, at) VNNI_ROW(acc, 4, wv, at) VNNI_ROW(acc, 5, wv, at) VNNI_ROW(acc, 6, wv, at)     \
+    VNNI_ROW(acc, 7, wv, at)
         if (bits == 8) {
-            for (int s = 0; s < W4_BLOCK / 4; s++) {
-                _mm_prefetch((const char *)(w + 64 * s) + W4_PREFETCH, _MM_HINT_T0);
-                const __m512i wv = _mm512_loadu_si512(w + 64 * s);
-                VNNI_STEP(wv, 4 * s)
+            for (int s = 0; s < W4_BLOCK / 4; s += 2) {
+                _mm_prefetch((const char *)(w + 64 * s) + VNNI_PREFETCH, _MM_HINT_T0);
+                _mm_prefetch((const char *)(w + 64 * s) + VNNI_PREFETCH + 64, _MM_HINT_T0);
+                const __m512i wa = _mm512_loadu_si512(w + 64 * s), wb = _mm512_loadu_si512(w + 64 * s + 64);
+                VNNI_STEP(a, wa, 4 * s) VNNI_STEP(b, wb, 4 * s + 4)
             }
         } else {
             for (int s = 0; s < W4_BLOCK / 8; s++) {
-                _mm_prefetch((const char *)(w + 64 * s) + W4_PREFETCH, _MM_HINT_T0);
+                _mm_prefetch((const char *)(w + 64 * s) + VNNI_PREFETCH, _MM_HINT_T0);
                 const __m512i v = _mm512_loadu_si512(w + 64 * s);
                 const __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-                VNNI_STEP(lo, 8 * s) VNNI_STEP(hi, 8 * s + 4)
+                VNNI_STEP(a, lo, 8 * s) VNNI_STEP(b, hi, 8 * s + 4)
             }
         }
 #undef VNNI_STEP
@@ -832,14 +848,15 @@ static inline __attribute__((always_inline)) void vnni_tile(const int mb, const 
         left--;
         if (per_channel) {  /* one scale per column: applied once, after the last block */
 #define VNNI_FLUSH(r) \
-    if (mb > r) f##r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a##r), _mm512_set1_ps(xsb[r]), f##r);
+    if (mb > r) f##r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a##r, b##r)), _mm512_set1_ps(xsb[r]), f##r);
             VNNI_FLUSH(0) VNNI_FLUSH(1) VNNI_FLUSH(2) VNNI_FLUSH(3) VNNI_FLUSH(4) VNNI_FLUSH(5) VNNI_FLUSH(6) VNNI_FLUSH(7)
 #undef VNNI_FLUSH
         } else {  /* W4A8's operations in its order */
             const __m512 s = _mm512_loadu_ps(scales + g * Np + n0);
 #define VNNI_FLUSH(r)                                                                             \
     if (mb > r)                                                                                   \
-        f##r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a##r), _mm512_mul_ps(s, _mm512_set1_ps(xsb[r])), f##r);
+        f##r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a##r, b##r)), _mm512_mul_ps(s, _mm512_set1_ps(xsb[r])), \
+                               f##r);
             VNNI_FLUSH(0) VNNI_FLUSH(1) VNNI_FLUSH(2) VNNI_FLUSH(3) VNNI_FLUSH(4) VNNI_FLUSH(5) VNNI_FLUSH(6) VNNI_FLUSH(7)
 #undef VNNI_FLUSH
         }
@@ -855,7 +872,11 @@ static inline __attribute__((always_inline)) void vnni_tile(const int mb, const 
     if (mb > r) {                                                                                 \
         const __m512 acc = vnni_row_finish(f##r, bits, m0 + r, on, ok, ov, E, xg, G, panel, scales, offsets, Np, \
                                            group, n0);                                            \
-        _mm512_mask_storeu_ps(y + (m0 + r) * N + n0, mask, bias ? _mm512_add_ps(acc, bv) : acc); \
+        const __m512 out = bias ? _mm512_add_ps(acc, bv) : acc;                                  \
+        if (y_bf16)                                                                               \
+            _mm256_mask_storeu_epi16((uint16_t *)y + (m0 + r) * N + n0, mask, vnni_f32_to_bf16(out));        \
+        else                                                                                      \
+            _mm512_mask_storeu_ps((float *)y + (m0 + r) * N + n0, mask, out);                    \
     }
     VNNI_STORE(0) VNNI_STORE(1) VNNI_STORE(2) VNNI_STORE(3) VNNI_STORE(4) VNNI_STORE(5) VNNI_STORE(6) VNNI_STORE(7)
 #undef VNNI_STORE
@@ -893,8 +914,8 @@ void set_w4a8_vnni(int on) { w4a8_vnni = on && VNNI; }
    layout; 8: [ceil(N / 16)][Kp / 4][16][4] bytes), x quantized per block of 32 inputs as for W4A8.
    Returns 1 without VNNI, 2 without memory for the quantized activations. */
 static int vnni_gemm_f32(const float *x, int64_t M, int64_t K, const int8_t *panels, const float *scales,
-                         const float *offsets, int64_t group, const int bits, int64_t N, const float *bias, float *y,
-                         int num_threads) {
+                         const float *offsets, int64_t group, const int bits, int64_t N, const float *bias, void *y,
+                         const int y_bf16, int num_threads) {
 #if VNNI
     const int64_t Kp = (K + W4_BLOCK - 1) / W4_BLOCK * W4_BLOCK, B = Kp / W4_BLOCK, E = B * W4_MAX_OUTLIERS;
     const int64_t Np = (N + I8_PANEL - 1) / I8_PANEL * I8_PANEL;
@@ -913,26 +934,41 @@ static int vnni_gemm_f32(const float *x, int64_t M, int64_t K, const int8_t *pan
     vnni_tile_rows(xq, xs, M, Kp, xt, xst, num_threads);
     if (bits == 8)
         I8_DRIVE_TILES(VNNI_ROW_TILES, vnni_tile_w8, xt, xst, xg, on, ok, ov, m0, Kp, G, panel, scales, offsets, Np,
-                       group, n0, nn, N, bias, y);
+                       group, n0, nn, N, bias, y, y_bf16);
     else
         I8_DRIVE_TILES(VNNI_ROW_TILES, vnni_tile_w4, xt, xst, xg, on, ok, ov, m0, Kp, G, panel, scales, offsets, Np,
-                       group, n0, nn, N, bias, y);
+                       group, n0, nn, N, bias, y, y_bf16);
     rc = 0;
 done:
     free(xq), free(xs), free(xg), free(ov), free(on), free(ok), free(xt), free(xst);
     return rc;
 #else
     (void)bits; (void)x; (void)M; (void)K; (void)panels; (void)scales; (void)offsets; (void)group; (void)N;
-    (void)bias; (void)y; (void)num_threads;
+    (void)bias; (void)y; (void)y_bf16; (void)num_threads;
     return 1;
 #endif
+}
+
+/* vnni_gemm_f32 on float32 or bf16 x and y (io: IO_* flags of cpu_kernels.c): bf16 x widened first
+   (its quantization reads float32), bf16 y written by the tiles themselves (a float32 y converted
+   after the GEMM took a third of its time at 16 rows). 2 without memory. */
+static int vnni_gemm(const void *x, int64_t M, int64_t K, const int8_t *panels, const float *scales,
+                     const float *offsets, int64_t group, const int bits, int64_t N, const float *bias, void *y, int io,
+                     int num_threads) {
+    const int x_bf16 = io & 1, y_bf16 = (io & 2) != 0;  /* IO_X_BF16, IO_Y_BF16 */
+    const float *xf;
+    float *unused;
+    if (bf16_io_begin(x, y, M, K, N, x_bf16, &xf, &unused, num_threads)) return 2;
+    const int rc = vnni_gemm_f32(xf, M, K, panels, scales, offsets, group, bits, N, bias, y, y_bf16, num_threads);
+    bf16_io_end(x, y, M, N, x_bf16, xf, unused, num_threads);
+    return rc;
 }
 
 /* int8 weights (u = q + 128) through VNNI, on float32 or bf16 x and y (io: IO_* flags). group: a
    multiple of 32, or >= K. */
 int int8_gemm_vnni(const void *x, int64_t M, int64_t K, const int8_t *panels, const float *scales,
                    const float *offsets, int64_t group, int64_t N, const float *bias, void *y, int io, int num_threads) {
-    BF16_IO_ENTRY(vnni_gemm_f32, M, K, panels, scales, offsets, group, 8, N, bias);
+    return vnni_gemm(x, M, K, panels, scales, offsets, group, 8, N, bias, y, io, num_threads);
 }
 
 /* y[M, N] = x[M, K] . ((q - z) * s)^T (+ bias), x and y float32: x quantized here by
@@ -942,7 +978,6 @@ int int8_gemm_vnni(const void *x, int64_t M, int64_t K, const int8_t *panels, co
    activations cannot be allocated. */
 static int int4_gemm_w4a8_f32(const float *x, int64_t M, int64_t K, const int8_t *panels, const float *scales,
                    const float *offsets, int64_t group, int64_t N, const float *bias, float *y, int num_threads) {
-    if (w4a8_vnni) return vnni_gemm_f32(x, M, K, panels, scales, offsets, group, 4, N, bias, y, num_threads);
 #if defined(__AVX2__) && defined(__FMA__)
     const int64_t Kp = (K + W4_BLOCK - 1) / W4_BLOCK * W4_BLOCK, B = Kp / W4_BLOCK, E = B * W4_MAX_OUTLIERS;
     const int64_t Np = (N + I8_PANEL - 1) / I8_PANEL * I8_PANEL;
@@ -970,6 +1005,7 @@ done:
 /* int4_gemm_w4a8 on float32 or bf16 x and y (io: IO_* flags). */
 int int4_gemm_w4a8(const void *x, int64_t M, int64_t K, const int8_t *panels, const float *scales,
                    const float *offsets, int64_t group, int64_t N, const float *bias, void *y, int io, int num_threads) {
+    if (w4a8_vnni) return vnni_gemm(x, M, K, panels, scales, offsets, group, 4, N, bias, y, io, num_threads);
     BF16_IO_ENTRY(int4_gemm_w4a8_f32, M, K, panels, scales, offsets, group, N, bias);
 }
 
