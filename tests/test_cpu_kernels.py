@@ -11,7 +11,7 @@ from nanoserve.backends.base import Backend
 from nanoserve.backends.cpu import gemm_unavailable
 from nanoserve.kernels import cpu_attention as ca
 from nanoserve.kernels import cpu_kernels
-from nanoserve.kernels.cpu_gemm import BucketedLinear, OneDNNGemm, PanelGemm, row_bucket
+from nanoserve.kernels.cpu_gemm import BucketedLinear, DotBF16Gemm, OneDNNGemm, PanelGemm, row_bucket
 from nanoserve.layers.context import ModelContext
 from nanoserve.layers.rotary_embedding import RotaryEmbedding
 
@@ -111,15 +111,18 @@ def _gemm(path: str, weight: torch.Tensor, bias: torch.Tensor):
         pytest.skip(reason)
     if path == "panel":
         return PanelGemm(weight, bias, KERNELS)
+    if path == "dpbf16":
+        return DotBF16Gemm(weight, bias, KERNELS)
     if path == "native":
         return BucketedLinear(weight, bias)
     return OneDNNGemm(weight, bias, torch.bfloat16 if path == "onednn-bf16" else torch.float32)
 
 
-@pytest.mark.parametrize("path", ["panel", "onednn-bf16", "onednn-fp32", "native"])
+@pytest.mark.parametrize("path", ["panel", "dpbf16", "onednn-bf16", "onednn-fp32", "native"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 16, 65, 300])  # the panel kernel's 1- to 6-row tiles, row blocks
-@pytest.mark.parametrize("out_features, in_features", [(101, 64), (96, 60)])  # ragged N; K % 8 != 0
+# the panel kernel's 1- to 6-row tiles, dpbf16's 1-8 (two chains a row) and 9-16-row ones, row blocks
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 8, 9, 16, 17, 65, 300])
+@pytest.mark.parametrize("out_features, in_features", [(101, 64), (96, 60), (33, 7)])  # ragged N; K % 8 != 0, odd K
 def test_cpu_gemm_paths_match_f64_linear(path, dtype, rows, out_features, in_features):
     if path == "native" and dtype != torch.float32:
         pytest.skip("F.linear in bf16/fp16 rounds per its own kernel; the reference below is float32 math")
@@ -135,7 +138,7 @@ def test_cpu_gemm_paths_match_f64_linear(path, dtype, rows, out_features, in_fea
     torch.testing.assert_close(got.double(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
 
 
-@pytest.mark.parametrize("path", ["panel", "onednn-bf16", "onednn-fp32", "native"])
+@pytest.mark.parametrize("path", ["panel", "dpbf16", "onednn-bf16", "onednn-fp32", "native"])
 @pytest.mark.parametrize("out_dtype", [None, torch.float32])
 def test_cpu_gemm_keeps_leading_dims_and_out_dtype(path, out_dtype):
     # The wrappers skip the no-op view and .to(): a [batch, seq, in] input must still come back

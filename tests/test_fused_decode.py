@@ -18,11 +18,11 @@ pytestmark = pytest.mark.skipif(
 PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
 
 
-def _generate(monkeypatch, path: str, fused: bool, int8_path: str = "w8a16", **kw):
+def _generate(monkeypatch, path: str, fused: bool, int8_path: str = "w8a16", gemm: str = "panel", **kw):
     """(per prompt: tokens and (token, logprob) pairs; what the model's fused_decode ended up as)."""
     monkeypatch.setenv("NANOSERVE_CPU_FUSED_DECODE", "1" if fused else "0")
-    # The loop runs the panel GEMM (every AVX2 CPU has it); CPUs with bf16 dot products would pick oneDNN.
-    monkeypatch.setenv("NANOSERVE_CPU_GEMM", "panel")
+    # The loop runs the panel GEMM (every AVX2 CPU has it) or dpbf16 (AVX512-BF16), not oneDNN's.
+    monkeypatch.setenv("NANOSERVE_CPU_GEMM", gemm)
     if kw.get("quantization") == "int8":  # W8A16, or the VNNI kernel CPUs with AVX512-VNNI pick
         monkeypatch.setenv("NANOSERVE_CPU_INT8", int8_path)
     llm = make_llm(path, dtype="bfloat16", **kw)
@@ -46,15 +46,18 @@ def int4_checkpoints(model_dirs, tmp_path_factory):
 
 
 VNNI = cpu_kernels.load() is not None and bool(cpu_kernels.load().vnni_supported())
+DPBF16 = cpu_kernels.load() is not None and bool(cpu_kernels.load().dpbf16_supported())
 
 
-@pytest.mark.parametrize("model, quantization, int8_path", [
-    ("tied-gqa2", None, None), ("untied-gqa4", None, None), ("untied-gqa4", "int8", "w8a16"),
-    pytest.param("untied-gqa4", "int8", "vnni", marks=pytest.mark.skipif(not VNNI, reason="needs AVX512-VNNI"))])
-def test_fused_decode_equals_the_modules(monkeypatch, model_dirs, model, quantization, int8_path):
+@pytest.mark.parametrize("model, quantization, int8_path, gemm", [
+    ("tied-gqa2", None, None, "panel"), ("untied-gqa4", None, None, "panel"), ("untied-gqa4", "int8", "w8a16", "panel"),
+    pytest.param("untied-gqa4", "int8", "vnni", "panel", marks=pytest.mark.skipif(not VNNI, reason="needs AVX512-VNNI")),
+    pytest.param("tied-gqa2", None, None, "dpbf16", marks=pytest.mark.skipif(not DPBF16, reason="needs AVX512-BF16")),
+    pytest.param("untied-gqa4", None, None, "dpbf16", marks=pytest.mark.skipif(not DPBF16, reason="needs AVX512-BF16"))])
+def test_fused_decode_equals_the_modules(monkeypatch, model_dirs, model, quantization, int8_path, gemm):
     path = model_dirs[model]
-    ref, unfused = _generate(monkeypatch, path, False, int8_path, quantization=quantization)
-    got, fused = _generate(monkeypatch, path, True, int8_path, quantization=quantization)
+    ref, unfused = _generate(monkeypatch, path, False, int8_path, gemm, quantization=quantization)
+    got, fused = _generate(monkeypatch, path, True, int8_path, gemm, quantization=quantization)
     assert unfused is False and isinstance(fused, DecodeLayers) and fused.steps_run >= PARAMS.max_tokens - 1
     assert got == ref
 

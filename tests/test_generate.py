@@ -129,5 +129,5 @@ def test_cpu_backend_without_c_kernels_matches_hf(model_dirs, hf, monkeypatch):
 
 def test_bad_cpu_switch_is_a_clear_error(tiny_model, monkeypatch):
     monkeypatch.setenv("NANOSERVE_CPU_GEMM", "fast")
-    with pytest.raises(ValueError, match="NANOSERVE_CPU_GEMM must be one of auto, panel, onednn-bf16"):
+    with pytest.raises(ValueError, match="NANOSERVE_CPU_GEMM must be one of auto, panel, dpbf16, onednn-bf16"):
         make_llm(tiny_model, device="cpu")

@@ -27,7 +27,8 @@ MAX_GROWTH_MB = 40  # after warm-up; the failure this guards against grew ~10 MB
 # row count it meets; its paths (and F.linear's) pad the rows to a bounded set of sizes, the panel
 # kernel keeps no state at all. A path this CPU lacks is skipped with the reason.
 GEMM_PATHS = [
-    ("bfloat16", "panel"), ("bfloat16", "onednn-bf16"), ("bfloat16", "onednn-fp32"), ("bfloat16", "native"),
+    ("bfloat16", "panel"), ("bfloat16", "dpbf16"), ("bfloat16", "onednn-bf16"), ("bfloat16", "onednn-fp32"),
+    ("bfloat16", "native"),
     ("float32", "onednn-fp32"), ("float32", "native"),
 ]
 

@@ -1,6 +1,8 @@
 """The CPU backend: C kernels for attention and the small fused ops, and a GEMM path per CPU class.
 
 GEMMs (nanoserve/kernels/cpu_gemm.py), chosen once at startup:
+  dpbf16       bf16 models on CPUs with AVX512-BF16: the C kernel of cpu_dpbf16.c (vdpbf16ps over bf16
+               weight panels); 1.1-1.4x oneDNN's GEMM at a decode step's 1-64 rows, 0.95x at a prefill's
   onednn-bf16  bf16 models on CPUs with bf16 dot products (AVX512-BF16, AMX): oneDNN-prepacked bf16
   panel        bf16 models elsewhere (AVX2): the C kernel over bf16 weight panels, float32 math.
                There PyTorch's own bf16 GEMM falls back to a slow kernel, 5-10x below float32.
@@ -19,7 +21,7 @@ Attention runs the C kernels in float32 whatever the cache dtype; without them (
 switched off) the torch reference runs, widened to float32 where bf16 matmuls are slow.
 
 Switches, read once at startup (`CPUOptions.from_env`):
-  NANOSERVE_CPU_GEMM=auto|panel|onednn-bf16|onednn-fp32|native   (fp32: onednn-fp32)
+  NANOSERVE_CPU_GEMM=auto|panel|dpbf16|onednn-bf16|onednn-fp32|native   (fp32: onednn-fp32)
   NANOSERVE_CPU_KERNELS=1|0             build and use the C kernels
   NANOSERVE_CPU_ATTENTION=auto|torch    the C attention kernels, or the torch reference
   NANOSERVE_CPU_FUSED_DECODE=1|0        decode-only steps run every layer in one C call (the same kernels)
@@ -44,14 +46,14 @@ import torch
 from nanoserve.backends.base import Backend, LinearFn, RowsFn
 from nanoserve.backends.metadata import AttentionMetadata
 from nanoserve.kernels import cpu_attention, cpu_decode_layers, cpu_kernels
-from nanoserve.kernels.cpu_gemm import BucketedLinear, Int4Gemm, Int8Gemm, OneDNNGemm, PanelGemm
+from nanoserve.kernels.cpu_gemm import BucketedLinear, DotBF16Gemm, Int4Gemm, Int8Gemm, OneDNNGemm, PanelGemm
 from nanoserve.kernels.cpu_int8 import Int4Kernels, Int8Kernels, fits_int4, w4a8_supported
 from nanoserve.kernels.paged_attention import paged_attention_decode_torch, paged_attention_varlen_torch
 from nanoserve.quantization.weight import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
-GEMM_PATHS = ("panel", "onednn-bf16", "onednn-fp32", "native")
+GEMM_PATHS = ("panel", "dpbf16", "onednn-bf16", "onednn-fp32", "native")
 INT8_PATHS = ("w8a16", "w8a8", "vnni")
 INT4_PATHS = ("w4a8", "w4a16")
 QUANTIZATIONS = ("int8",)
@@ -123,6 +125,11 @@ def gemm_unavailable(path: str, dtype: torch.dtype, kernels: cpu_kernels.CPUKern
             return "the panel GEMM takes bf16 weights"
         if kernels is None or not kernels.lib.panel_gemm_supported():
             return "the panel GEMM needs the C kernels built with AVX2 and FMA"
+    if path == "dpbf16":
+        if dtype != torch.bfloat16:
+            return "the dpbf16 GEMM takes bf16 weights"
+        if kernels is None or not kernels.lib.dpbf16_supported():
+            return "the dpbf16 GEMM needs the C kernels built for a CPU with AVX512-BF16"
     if path == "onednn-bf16":
         if dtype != torch.bfloat16:
             return "onednn-bf16 takes bf16 weights"
@@ -140,7 +147,8 @@ def choose_gemm(requested: str, dtype: torch.dtype, kernels: cpu_kernels.CPUKern
             raise ValueError(f"NANOSERVE_CPU_GEMM={requested} cannot run here: {reason}")
         return requested
     if dtype == torch.bfloat16:
-        candidates = ("onednn-bf16", "panel", "onednn-fp32") if native_lowp_gemm(dtype) else ("panel", "onednn-fp32")
+        candidates = ("dpbf16", "onednn-bf16", "panel", "onednn-fp32") if native_lowp_gemm(dtype) \
+            else ("panel", "onednn-fp32")
     elif dtype == torch.float16 and native_lowp_gemm(dtype):
         candidates = ("native",)
     else:
@@ -220,7 +228,7 @@ class CPUBackend(Backend):
     def logits_rows(self, logits: LinearFn) -> RowsFn | None:
         # The panels hold the bf16 bits as loaded, in a layout rows are read from by indexing; the
         # int8 head is not exact, and oneDNN's blocked layout is its own.
-        return logits.rows if isinstance(logits, PanelGemm) else None
+        return logits.rows if isinstance(logits, (PanelGemm, DotBF16Gemm)) else None
 
     def prepare_quantized_linear(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> LinearFn:
         """A checkpoint's integers as they are (exact: no requantization): 4-bit ones through the int4
@@ -253,6 +261,8 @@ class CPUBackend(Backend):
             return Int8Gemm(weight, bias, self.int8, self.w8a8_min_rows, out_dtype, vnni=self.int8_vnni)
         if self.gemm == "panel":
             return PanelGemm(weight, bias, self.kernels, out_dtype)
+        if self.gemm == "dpbf16":
+            return DotBF16Gemm(weight, bias, self.kernels, out_dtype)
         if self.gemm == "onednn-bf16":
             return OneDNNGemm(weight, bias, torch.bfloat16, out_dtype)
         if self.gemm == "onednn-fp32":

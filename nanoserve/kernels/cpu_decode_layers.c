@@ -39,7 +39,10 @@ int int4_gemm_w4a8(const void *x, int64_t M, int64_t K, const int8_t *panels, co
 int int8_gemm_vnni(const void *x, int64_t M, int64_t K, const int8_t *panels, const float *scales,
                    const float *offsets, int64_t group, int64_t N, const float *bias, void *y, int io, int num_threads);
 
-enum { GEMM_PANEL = 0, GEMM_W8A16 = 1, GEMM_W4A16 = 2, GEMM_W4A8 = 3, GEMM_VNNI8 = 4 };
+int dpbf16_gemm(const uint16_t *x, int64_t M, int64_t K, const uint16_t *panels, int64_t N, const float *bias,
+                void *y, int y_bf16, int num_threads);
+
+enum { GEMM_PANEL = 0, GEMM_W8A16 = 1, GEMM_W4A16 = 2, GEMM_W4A8 = 3, GEMM_VNNI8 = 4, GEMM_DPBF16 = 5 };
 #define IO_BF16 3 /* IO_X_BF16 | IO_Y_BF16 of cpu_kernels.c: bf16 rows in and out */
 
 /* One linear layer's packed weight, as its Python GEMM object holds it (kernels/cpu_gemm.py). */
@@ -80,6 +83,8 @@ static int run_gemm(const DecodeGemm *g, const uint16_t *x, int64_t rows, uint16
         case GEMM_W4A8:
             return int4_gemm_w4a8(x, rows, g->in_features, g->panels, g->scales, g->offsets, g->group,
                                   g->out_features, g->bias, y, IO_BF16, num_threads);
+        case GEMM_DPBF16:
+            return dpbf16_gemm(x, rows, g->in_features, g->panels, g->out_features, g->bias, y, 1, num_threads);
         case GEMM_VNNI8:
             return int8_gemm_vnni(x, rows, g->in_features, g->panels, g->scales, g->offsets, g->group,
                                   g->out_features, g->bias, y, IO_BF16, num_threads);

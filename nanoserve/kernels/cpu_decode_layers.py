@@ -18,9 +18,9 @@ import ctypes
 import torch
 
 from nanoserve.kernels import cpu_attention
-from nanoserve.kernels.cpu_gemm import Int4Gemm, Int8Gemm, PanelGemm
+from nanoserve.kernels.cpu_gemm import DotBF16Gemm, Int4Gemm, Int8Gemm, PanelGemm
 
-GEMM_PANEL, GEMM_W8A16, GEMM_W4A16, GEMM_W4A8, GEMM_VNNI8 = 0, 1, 2, 3, 4  # cpu_decode_layers.c
+GEMM_PANEL, GEMM_W8A16, GEMM_W4A16, GEMM_W4A8, GEMM_VNNI8, GEMM_DPBF16 = 0, 1, 2, 3, 4, 5  # cpu_decode_layers.c
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -57,6 +57,9 @@ def _gemm(linear) -> _Gemm | None:
     if type(g) is PanelGemm and g.out_dtype is None:
         n, k = g.out_features, g.panels.shape[1]
         return _Gemm(GEMM_PANEL, k, n, k, k, _ptr(g.panels), None, None, _ptr(bias))
+    if type(g) is DotBF16Gemm and g.out_dtype is None:
+        n, k = g.out_features, g.in_features
+        return _Gemm(GEMM_DPBF16, k, n, k, k, _ptr(g.panels), None, None, _ptr(bias))
     if type(g) is Int8Gemm and g.vnni and g.perm is None and g.out_dtype is None:
         w = g.weight
         return _Gemm(GEMM_VNNI8, w.in_features, w.out_features, w.in_features, w.group_size, _ptr(w.panels),

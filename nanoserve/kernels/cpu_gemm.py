@@ -5,6 +5,9 @@
                count, with half the weight bytes of a float32 copy (the path of CPUs without bf16
                dot products, AVX2). The panels hold the weight's bits as loaded, so its rows read
                back exactly (`rows`): a tied embedding looks its tokens up there.
+  DotBF16Gemm  bf16 weights in 16-column panels of input pairs for the C kernel of cpu_dpbf16.c
+               (vdpbf16ps, CPUs with AVX512-BF16): a decode step's rows multiply each weight as it
+               streams in; the default bf16 path there. Rows read back exactly (`rows`), as PanelGemm's.
   OneDNNGemm   the weight reordered once into oneDNN's blocked layout, in bf16 (CPUs with bf16 dot
                products: AVX512-BF16, AMX) or as a float32 copy (float32 models; F.linear's MKL call
                would repack it on every call).
@@ -84,6 +87,30 @@ class PanelGemm:
         column = ids % PANEL
         # Two index tensors around a slice: their broadcast shape comes first, then K.
         return self.panels[ids // PANEL, :, panel_slot(column)]
+
+
+class DotBF16Gemm:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: CPUKernels, out_dtype: torch.dtype | None = None
+    ) -> None:
+        """bf16 weights in the vdpbf16ps layout of cpu_dpbf16.c (CPUs with AVX512-BF16). out_dtype: the
+        result's dtype (None: the activations')."""
+        self.kernels, self.out_dtype = kernels, out_dtype
+        self.out_features, self.in_features = weight.shape
+        self.panels = kernels.pack_dpbf16(weight.detach())
+        if self.panels is None:
+            raise ValueError("the dpbf16 GEMM needs bf16 weights and an AVX512-BF16 build of the CPU kernels")
+        self.bias = bias.detach().float().contiguous() if bias is not None else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out_dtype = self.out_dtype or x.dtype
+        y = self.kernels.dpbf16_gemm(x.reshape(-1, x.shape[-1]), self.panels, self.out_features, self.bias, out_dtype)
+        return _result(y, x, out_dtype)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the packed weight, [*ids.shape, in] bf16, bit for bit (a tied embedding's lookup)."""
+        picked = self.panels[ids // PANEL, :, ids % PANEL, :]  # [*ids.shape, K / 2, 2]
+        return picked.reshape(*ids.shape, -1)[..., : self.in_features]
 
 
 class OneDNNGemm:

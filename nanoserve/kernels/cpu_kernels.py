@@ -28,7 +28,8 @@ from nanoserve.kernels.trace import traced
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_int8.c", "cpu_decode_layers.c"))
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("cpu_kernels.c", "cpu_int8.c", "cpu_dpbf16.c", "cpu_decode_layers.c"))
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
 
 _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -54,6 +55,9 @@ SIGNATURES = {
     "quantize_blocks_int8": [_P, _I64, _I64, _I64, _I64, ctypes.c_double] + [_P] * 6 + [_I32],
     "int4_gemm_w4a8": [_P, _I64, _I64, _P, _P, _P, _I64, _I64, _P, _P, _I32, _I32],
     "vnni_supported": [],
+    "dpbf16_supported": [],
+    "pack_dpbf16_panels": [_P, _I64, _I64, _P, _I32],
+    "dpbf16_gemm": [_P, _I64, _I64, _P, _I64, _P, _P, _I32, _I32],
     "set_w4a8_vnni": [_I32],
     "int8_gemm_vnni": [_P, _I64, _I64, _P, _P, _P, _I64, _I64, _P, _P, _I32, _I32],
     "peak_loop_fma_f32": [_I64, _I32],
@@ -66,7 +70,7 @@ SIGNATURES = {
 }
 RETURNS_INT = ("paged_attention_f32", "paged_decode_f32", "panel_gemm_bf16", "panel_gemm_supported",
                "decode_layers_bf16", "int8_gemm_supported", "int8_gemm_w8a16", "int8_gemm_w8a8", "int4_gemm_w4a16",
-               "int4_gemm_w4a8", "vnni_supported", "int8_gemm_vnni")
+               "int4_gemm_w4a8", "vnni_supported", "int8_gemm_vnni", "dpbf16_supported", "dpbf16_gemm")
 RETURNS_DOUBLE = ("peak_loop_fma_f32", "peak_loop_madd_i16", "peak_loop_maddubs_u8s8", "peak_loop_maddubs_i16",
                   "peak_loop_fma_f32_zmm", "peak_loop_dpbusd", "peak_loop_dpbf16")
 PANEL = 16  # output columns per packed weight panel (cpu_kernels.c)
@@ -255,6 +259,34 @@ class CPUKernels:
         panels = torch.empty(-(-n // PANEL), k, PANEL, dtype=torch.bfloat16)
         self.lib.pack_bf16_panels(weight.data_ptr(), n, k, panels.data_ptr(), torch.get_num_threads())
         return panels
+
+    def pack_dpbf16(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """A bf16 weight [N, K] packed for `dpbf16_gemm` ([ceil(N / 16), ceil(K / 2), 16, 2]: per pair of
+        inputs, 16 columns' two weights); None where the build has no AVX512-BF16 or the weight is not bf16."""
+        if weight.dtype != torch.bfloat16 or weight.dim() != 2 or not self.lib.dpbf16_supported():
+            return None
+        n, k = weight.shape
+        panels = torch.empty(-(-n // PANEL), -(-k // 2), PANEL, 2, dtype=torch.bfloat16)
+        self.lib.pack_dpbf16_panels(weight.contiguous().data_ptr(), n, k, panels.data_ptr(), torch.get_num_threads())
+        return panels
+
+    def dpbf16_gemm(self, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None,
+                    out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """x [M, K] (bf16; others are rounded to it) @ (the weight packed in `panels`, [n, K] bf16)^T
+        (+ bias float32) -> [M, n] bf16, or float32 for out_dtype float32. vdpbf16ps: float32 sums of
+        bf16 products (AVX512-BF16)."""
+        x = x.to(torch.bfloat16).contiguous()
+        y_bf16 = out_dtype == torch.bfloat16
+        y = torch.empty(x.shape[0], n, dtype=torch.bfloat16 if y_bf16 else torch.float32)
+        with traced("nanoserve::cpu_dpbf16_gemm"):
+            err = self.lib.dpbf16_gemm(x.data_ptr(), x.shape[0], x.shape[1], panels.data_ptr(), n,
+                                       bias.data_ptr() if bias is not None else None, y.data_ptr(), int(y_bf16),
+                                       torch.get_num_threads())
+        if err == 2:
+            raise MemoryError("dpbf16_gemm: no memory for the rearranged activations")
+        if err:
+            raise RuntimeError("dpbf16_gemm is not available in this build (no AVX512-BF16)")
+        return y
 
     def panel_gemm(
         self, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None,
