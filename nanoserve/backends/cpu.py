@@ -3,15 +3,17 @@
 GEMMs (nanoserve/kernels/cpu_gemm.py), chosen once at startup:
   dpbf16       bf16 models on CPUs with AVX512-BF16: the C kernel of cpu_dpbf16.c (vdpbf16ps over bf16
                weight panels); 1.1-1.4x oneDNN's GEMM at a decode step's 1-64 rows, 0.95x at a prefill's
+               hundreds, and the fused decode loop can call it
   onednn-bf16  bf16 models on CPUs with bf16 dot products (AVX512-BF16, AMX): oneDNN-prepacked bf16
   panel        bf16 models elsewhere (AVX2): the C kernel over bf16 weight panels, float32 math.
                There PyTorch's own bf16 GEMM falls back to a slow kernel, 5-10x below float32.
   onednn-fp32  float32 models, and fp16 models on CPUs without fp16 math: a prepacked float32 copy
   native       F.linear in the model's dtype (fp16 models on CPUs with fp16 math)
   int8         `quantization="int8"`, any model dtype: weights quantized per output channel at load
-               (LM head included), the kernels of cpu_int8.c: W8A16 (int8 weights widened to float32
-               in registers, float32 math) by default; W8A8 (activations quantized per token, int16
-               multiply-adds) on request, see w8a8_min_rows for why not by default.
+               (LM head included), the kernels of cpu_int8.c: on CPUs with AVX512-VNNI in a bf16/fp16
+               model, vpdpbusd with activations quantized per block of 32 inputs (outliers exact);
+               elsewhere W8A16 (int8 weights widened to float32 in registers, float32 math); W8A8
+               (activations quantized per token, int16 multiply-adds) on request, see w8a8_min_rows.
                The same kernels run a pre-quantized checkpoint's integer layers (GPTQ, AWQ,
                compressed-tensors) with its group scales; its float layers take the path above.
 Products of bf16 values are exact in float32 and every path accumulates in float32, so rounding to
@@ -26,8 +28,9 @@ Switches, read once at startup (`CPUOptions.from_env`):
   NANOSERVE_CPU_ATTENTION=auto|torch    the C attention kernels, or the torch reference
   NANOSERVE_CPU_FUSED_DECODE=1|0        decode-only steps run every layer in one C call (the same kernels)
   VLLM_BATCH_INVARIANT=1                batch-invariant kernels (as LLM(batch_invariant=True))
-  NANOSERVE_CPU_INT8=auto|w8a16|w8a8|w4a8|w4a16
-                                        with quantization="int8": the default (W8A16), or one int8 path
+  NANOSERVE_CPU_INT8=auto|w8a16|w8a8|vnni|w4a8|w4a16
+                                        with quantization="int8": the default (VNNI where the CPU has
+                                        it and the model is bf16/fp16, else W8A16), or one int8 path
                                         always. An int4 checkpoint: w4a8 (and auto, unless the model
                                         dtype is float32) runs W4A8 where its groups are whole blocks
                                         of 32 inputs (W4A16 elsewhere), w4a16 (and auto in float32)
@@ -184,11 +187,13 @@ class CPUBackend(Backend):
         if self.kernels is not None and self.kernels.lib.int8_gemm_supported():
             self.int8, self.int4 = Int8Kernels(self.kernels.lib), Int4Kernels(self.kernels.lib)
         self.w8a8_min_rows = w8a8_min_rows(self.options.int8)
-        # Where the CPU has AVX512-VNNI, int8 weights run its kernel by default (vpdpbusd does four
-        # times the float32 FMA's multiply-adds there; activations quantized per block of 32 inputs
-        # with the outliers exact, as W4A8's): README, int8 weights.
-        self.int8_vnni = self.int8 is not None and self.options.int8 in ("auto", "vnni") \
-            and bool(self.kernels.lib.vnni_supported())
+        # Where the CPU has AVX512-VNNI, int8 weights run its kernel by default in a bf16/fp16 model
+        # (vpdpbusd does four times the float32 FMA's multiply-adds there; activations quantized per
+        # block of 32 inputs with the outliers exact, within the bf16 activations' own error: README,
+        # int8 weights). A float32 model asked for exact activations: auto keeps W8A16 there, as W4A16
+        # for int4.
+        wants_vnni = self.options.int8 == "vnni" or (self.options.int8 == "auto" and dtype != torch.float32)
+        self.int8_vnni = self.int8 is not None and wants_vnni and bool(self.kernels.lib.vnni_supported())
         if self.options.int8 == "vnni" and not self.int8_vnni:
             raise ValueError("NANOSERVE_CPU_INT8=vnni needs a CPU with AVX512-VNNI and the C kernels built for it")
         self.checkpoint_paths: set[str] = set()  # what prepare_quantized_linear chose, for describe()
