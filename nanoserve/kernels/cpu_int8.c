@@ -740,7 +740,9 @@ static inline __attribute__((always_inline)) void w4a8_tile(const int mb, const 
    8x ~1%, for the same teacher-forced accuracy (README: int8 weights). */
 #define VNNI_OUTLIER 8.0
 #define VNNI_PREFETCH 8192 /* bytes ahead: the first row tile of a panel streams it from DRAM */
-#define VNNI_ROWS 8 /* 16 int32 + 8 float32 accumulators, the weights and a scale: 27 of 32 zmm */
+#define VNNI_ROWS 16 /* rows per tile, one int32 chain each (two for up to 8 rows): a decode step's 16 rows
+                        multiply each weight as it streams in, where two 8-row tiles multiplied it from
+                        cache for the second (1.5x at 16 rows) */
 
 /* 16 float32 lanes rounded to bf16 as cpu_kernels.c's f32_to_bf16 (nearest even; NaN quiet). */
 static inline __m256i vnni_f32_to_bf16(__m512 v) {
@@ -825,78 +827,96 @@ static inline __attribute__((always_inline)) void vnni_tile(const int mb, const 
     const int64_t per_group = G == 1 ? B : group / W4_BLOCK;
     /* int8 per channel: the sums scaled by the activations' block scales only, the column scale once */
     const int per_channel = bits == 8 && G == 1;
+    /* up to 8 rows, two int32 chains a row (a8 .. a15 take the odd steps or the high nibbles), so
+       that vpdpbusd's latency stays covered */
+    const int two_chains = mb <= 8;
     const __m512i nibble = _mm512_set1_epi8(0x0F);
-    __m512 f0 = _mm512_setzero_ps(), f1 = f0, f2 = f0, f3 = f0, f4 = f0, f5 = f0, f6 = f0, f7 = f0;
+    /* float32 sums in memory (L1), touched once per block: in registers they left no room for 16 rows */
+    float facc[VNNI_ROWS][I8_PANEL] __attribute__((aligned(64)));
+    for (int r = 0; r < mb; r++) _mm512_store_ps(facc[r], _mm512_setzero_ps());
     for (int64_t b = 0, g = 0, left = per_group; b < B; b++) {
-        /* two int32 chains a row (a: even steps or low nibbles, b: odd steps or high): half as long,
-           so the block's flush waits less on vpdpbusd's latency */
         __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-        __m512i b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0, b6 = a0, b7 = a0;
+        __m512i a8 = a0, a9 = a0, a10 = a0, a11 = a0, a12 = a0, a13 = a0, a14 = a0, a15 = a0;
         const uint8_t *w = panel + b * block_bytes;
         const int8_t *xb = xt + b * VNNI_ROWS * W4_BLOCK;
         const float *xsb = xst + b * VNNI_ROWS;
+/* row r's 4 inputs at `at` broadcast to the 16 columns, into accumulator a<acc> */
 #define VNNI_ROW(acc, r, wv, at)                                                                  \
     if (mb > r) {                                                                                 \
-        int32_t q4; /* 4 inputs, broadcast to the 16 columns */                                   \
+        int32_t q4;                                                                               \
         memcpy(&q4, xb + r * W4_BLOCK + (at), 4);                                                 \
-        acc##r = _mm512_dpbusd_epi32(acc##r, wv, _mm512_set1_epi32(q4));                          \
+        a##acc = _mm512_dpbusd_epi32(a##acc, wv, _mm512_set1_epi32(q4));                          \
     }
-#define VNNI_STEP(acc, wv, at) VNNI_ROW(acc, 0, wv, at) VNNI_ROW(acc, 1, wv, at) VNNI_ROW(acc, 2, wv, at) \
-    VNNI_ROW(acc, 3, wv, at) VNNI_ROW(acc, 4, wv, at) VNNI_ROW(acc, 5, wv, at) VNNI_ROW(acc, 6, wv, at)     \
-    VNNI_ROW(acc, 7, wv, at)
+#define VNNI_LOW(wv, at) VNNI_ROW(0, 0, wv, at) VNNI_ROW(1, 1, wv, at) VNNI_ROW(2, 2, wv, at) VNNI_ROW(3, 3, wv, at) \
+    VNNI_ROW(4, 4, wv, at) VNNI_ROW(5, 5, wv, at) VNNI_ROW(6, 6, wv, at) VNNI_ROW(7, 7, wv, at)
+#define VNNI_HIGH(wv, at) VNNI_ROW(8, 8, wv, at) VNNI_ROW(9, 9, wv, at) VNNI_ROW(10, 10, wv, at)               \
+    VNNI_ROW(11, 11, wv, at) VNNI_ROW(12, 12, wv, at) VNNI_ROW(13, 13, wv, at) VNNI_ROW(14, 14, wv, at)          \
+    VNNI_ROW(15, 15, wv, at)
+#define VNNI_SECOND(wv, at) VNNI_ROW(8, 0, wv, at) VNNI_ROW(9, 1, wv, at) VNNI_ROW(10, 2, wv, at)              \
+    VNNI_ROW(11, 3, wv, at) VNNI_ROW(12, 4, wv, at) VNNI_ROW(13, 5, wv, at) VNNI_ROW(14, 6, wv, at)              \
+    VNNI_ROW(15, 7, wv, at)
+/* one weight vector against every row: rows 0-7 into a0-a7 (`chain`: their second chains a8-a15
+   for up to 8 rows), rows 8-15 into a8-a15 */
+#define VNNI_STEP(wv, at, chain)                                                                  \
+    do {                                                                                          \
+        if (two_chains && (chain)) { VNNI_SECOND(wv, at) } else { VNNI_LOW(wv, at) }              \
+        if (!two_chains) { VNNI_HIGH(wv, at) }                                                    \
+    } while (0)
         if (bits == 8) {
             for (int s = 0; s < W4_BLOCK / 4; s += 2) {
                 _mm_prefetch((const char *)(w + 64 * s) + VNNI_PREFETCH, _MM_HINT_T0);
                 _mm_prefetch((const char *)(w + 64 * s) + VNNI_PREFETCH + 64, _MM_HINT_T0);
                 const __m512i wa = _mm512_loadu_si512(w + 64 * s), wb = _mm512_loadu_si512(w + 64 * s + 64);
-                VNNI_STEP(a, wa, 4 * s) VNNI_STEP(b, wb, 4 * s + 4)
+                VNNI_STEP(wa, 4 * s, 0);
+                VNNI_STEP(wb, 4 * s + 4, 1);
             }
         } else {
             for (int s = 0; s < W4_BLOCK / 8; s++) {
                 _mm_prefetch((const char *)(w + 64 * s) + VNNI_PREFETCH, _MM_HINT_T0);
                 const __m512i v = _mm512_loadu_si512(w + 64 * s);
                 const __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-                VNNI_STEP(a, lo, 8 * s) VNNI_STEP(b, hi, 8 * s + 4)
+                VNNI_STEP(lo, 8 * s, 0);
+                VNNI_STEP(hi, 8 * s + 4, 1);
             }
         }
 #undef VNNI_STEP
+#undef VNNI_SECOND
+#undef VNNI_HIGH
+#undef VNNI_LOW
 #undef VNNI_ROW
+        if (two_chains) {
+            a0 = _mm512_add_epi32(a0, a8), a1 = _mm512_add_epi32(a1, a9), a2 = _mm512_add_epi32(a2, a10);
+            a3 = _mm512_add_epi32(a3, a11), a4 = _mm512_add_epi32(a4, a12), a5 = _mm512_add_epi32(a5, a13);
+            a6 = _mm512_add_epi32(a6, a14), a7 = _mm512_add_epi32(a7, a15);
+        }
         if (left == 0) g++, left = per_group;
         left--;
-        if (per_channel) {  /* one scale per column: applied once, after the last block */
-#define VNNI_FLUSH(r) \
-    if (mb > r) f##r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a##r, b##r)), _mm512_set1_ps(xsb[r]), f##r);
-            VNNI_FLUSH(0) VNNI_FLUSH(1) VNNI_FLUSH(2) VNNI_FLUSH(3) VNNI_FLUSH(4) VNNI_FLUSH(5) VNNI_FLUSH(6) VNNI_FLUSH(7)
-#undef VNNI_FLUSH
-        } else {  /* W4A8's operations in its order */
-            const __m512 s = _mm512_loadu_ps(scales + g * Np + n0);
+        /* per channel one scale per column, applied once after the last block; else W4A8's
+           operations in its order */
+        const __m512 s = per_channel ? _mm512_setzero_ps() : _mm512_loadu_ps(scales + g * Np + n0);
 #define VNNI_FLUSH(r)                                                                             \
-    if (mb > r)                                                                                   \
-        f##r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a##r, b##r)), _mm512_mul_ps(s, _mm512_set1_ps(xsb[r])), \
-                               f##r);
-            VNNI_FLUSH(0) VNNI_FLUSH(1) VNNI_FLUSH(2) VNNI_FLUSH(3) VNNI_FLUSH(4) VNNI_FLUSH(5) VNNI_FLUSH(6) VNNI_FLUSH(7)
-#undef VNNI_FLUSH
-        }
+    if (mb > r) {                                                                                 \
+        const __m512 x_scale = per_channel ? _mm512_set1_ps(xsb[r]) : _mm512_mul_ps(s, _mm512_set1_ps(xsb[r])); \
+        _mm512_store_ps(facc[r], _mm512_fmadd_ps(_mm512_cvtepi32_ps(a##r), x_scale, _mm512_load_ps(facc[r]))); \
     }
-    if (per_channel) {
-        const __m512 s = _mm512_loadu_ps(scales + n0);
-        f0 = _mm512_mul_ps(f0, s), f1 = _mm512_mul_ps(f1, s), f2 = _mm512_mul_ps(f2, s), f3 = _mm512_mul_ps(f3, s);
-        f4 = _mm512_mul_ps(f4, s), f5 = _mm512_mul_ps(f5, s), f6 = _mm512_mul_ps(f6, s), f7 = _mm512_mul_ps(f7, s);
+        VNNI_FLUSH(0) VNNI_FLUSH(1) VNNI_FLUSH(2) VNNI_FLUSH(3) VNNI_FLUSH(4) VNNI_FLUSH(5) VNNI_FLUSH(6) VNNI_FLUSH(7)
+        VNNI_FLUSH(8) VNNI_FLUSH(9) VNNI_FLUSH(10) VNNI_FLUSH(11) VNNI_FLUSH(12) VNNI_FLUSH(13) VNNI_FLUSH(14)
+        VNNI_FLUSH(15)
+#undef VNNI_FLUSH
     }
     const __mmask16 mask = (__mmask16)((1u << nn) - 1);
     const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
-#define VNNI_STORE(r)                                                                             \
-    if (mb > r) {                                                                                 \
-        const __m512 acc = vnni_row_finish(f##r, bits, m0 + r, on, ok, ov, E, xg, G, panel, scales, offsets, Np, \
-                                           group, n0);                                            \
-        const __m512 out = bias ? _mm512_add_ps(acc, bv) : acc;                                  \
-        if (y_bf16)                                                                               \
-            _mm256_mask_storeu_epi16((uint16_t *)y + (m0 + r) * N + n0, mask, vnni_f32_to_bf16(out));        \
-        else                                                                                      \
-            _mm512_mask_storeu_ps((float *)y + (m0 + r) * N + n0, mask, out);                    \
+    const __m512 column_scale = per_channel ? _mm512_loadu_ps(scales + n0) : _mm512_setzero_ps();
+    for (int r = 0; r < mb; r++) {
+        __m512 f = _mm512_load_ps(facc[r]);
+        if (per_channel) f = _mm512_mul_ps(f, column_scale);
+        const __m512 acc = vnni_row_finish(f, bits, m0 + r, on, ok, ov, E, xg, G, panel, scales, offsets, Np, group, n0);
+        const __m512 out = bias ? _mm512_add_ps(acc, bv) : acc;
+        if (y_bf16)
+            _mm256_mask_storeu_epi16((uint16_t *)y + (m0 + r) * N + n0, mask, vnni_f32_to_bf16(out));
+        else
+            _mm512_mask_storeu_ps((float *)y + (m0 + r) * N + n0, mask, out);
     }
-    VNNI_STORE(0) VNNI_STORE(1) VNNI_STORE(2) VNNI_STORE(3) VNNI_STORE(4) VNNI_STORE(5) VNNI_STORE(6) VNNI_STORE(7)
-#undef VNNI_STORE
 }
 
 #define VNNI_ROW_TILES(TILE, ...)                                                                \
@@ -904,6 +924,14 @@ static inline __attribute__((always_inline)) void vnni_tile(const int mb, const 
         int64_t m0 = r0;                                                                         \
         for (; m0 + VNNI_ROWS <= r1; m0 += VNNI_ROWS) TILE(VNNI_ROWS, __VA_ARGS__);              \
         switch (r1 - m0) {                                                                       \
+            case 15: TILE(15, __VA_ARGS__); break;                                               \
+            case 14: TILE(14, __VA_ARGS__); break;                                               \
+            case 13: TILE(13, __VA_ARGS__); break;                                               \
+            case 12: TILE(12, __VA_ARGS__); break;                                               \
+            case 11: TILE(11, __VA_ARGS__); break;                                               \
+            case 10: TILE(10, __VA_ARGS__); break;                                               \
+            case 9: TILE(9, __VA_ARGS__); break;                                                 \
+            case 8: TILE(8, __VA_ARGS__); break;                                                 \
             case 7: TILE(7, __VA_ARGS__); break;                                                 \
             case 6: TILE(6, __VA_ARGS__); break;                                                 \
             case 5: TILE(5, __VA_ARGS__); break;                                                 \
