@@ -92,6 +92,18 @@ def _int4_gemm() -> dict[str, GemmPath]:
     return {INT4_W4A8: prepare}
 
 
+def _dpbf16_gemm() -> GemmPath | None:
+    """nanoserve's vdpbf16ps GEMM (bf16 weight panels of input pairs), where the CPU has AVX512-BF16."""
+    from nanoserve.kernels import cpu_kernels
+    from nanoserve.kernels.cpu_gemm import DotBF16Gemm
+
+    lib = cpu_kernels.load()
+    if lib is None or not lib.dpbf16_supported():
+        return None
+    kernels = cpu_kernels.CPUKernels(lib)
+    return lambda w: DotBF16Gemm(w, None, kernels)
+
+
 def _onednn_packed(dtype: torch.dtype) -> GemmPath:
     def prepare(w: torch.Tensor):
         packed = torch.ops.mkldnn._reorder_linear_weight(w.to(dtype).contiguous(), None)
@@ -104,6 +116,7 @@ INT8_W8A16 = "int8 W8A16 (C)"
 INT8_W8A8 = "int8 W8A8 (C)"
 INT4_W4A8 = "int4 W4A8 (C)"
 INT8_VNNI = "int8 W8A8 VNNI (C)"
+DPBF16 = "dpbf16 bf16-weight (C)"
 ONEDNN_BF16 = "oneDNN packed bfloat16"
 # instruction loop (cpu_int8.c) -> what it is; the zmm ones only where the CPU has them
 INSTRUCTIONS = {
@@ -126,6 +139,7 @@ def path_instruction(vnni: bool) -> dict[str, str]:
         out[INT8_VNNI] = "peak_loop_dpbusd"
     if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
         out[ONEDNN_BF16] = "peak_loop_dpbf16"
+    out[DPBF16] = "peak_loop_dpbf16"  # measured only where the CPU has it (its peak is then measured too)
     return out
 
 
@@ -169,6 +183,9 @@ def gemm_paths(dtype: torch.dtype, device: torch.device, rows: int, int8: bool =
     panel = _panel_gemm() if dtype == torch.bfloat16 else None
     if panel is not None:
         paths[PANEL] = panel
+    dpbf16 = _dpbf16_gemm() if dtype == torch.bfloat16 else None
+    if dpbf16 is not None:
+        paths[DPBF16] = dpbf16
     if int8:
         paths.update(_int8_gemms())
     return paths
