@@ -235,7 +235,7 @@ def int4_gemm_w4a16_torch(x: torch.Tensor, q: torch.Tensor, zeros: torch.Tensor,
 
 
 W4A8_BLOCK = 32  # inputs per activation scale in W4A8 (cpu_int8.c's W4_BLOCK)
-W4A8_OUTLIER = 4.0  # an activation above this times its block's mean |x| stays exact (cpu_int8.c's W4_OUTLIER)
+W4A8_OUTLIER = 8.0  # an activation above this times its block's mean |x| stays exact (cpu_int8.c's W4_OUTLIER)
 W4A8_MAX_OUTLIERS = 8  # per block, at most (cpu_int8.c's W4_MAX_OUTLIERS)
 
 
@@ -323,7 +323,6 @@ def pack_int4(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_
 # ---- int8 weights through VNNI ------------------------------------------------------------------
 
 VNNI_ZERO = 128  # int8 weights are stored as q + 128: the unsigned operand of vpdpbusd, 128 its zero point
-VNNI_OUTLIER = 8.0  # int8 weights' activations: outliers above 8x their block's mean |x| (cpu_int8.c)
 
 
 def vnni_supported(group_size: int, in_features: int, lib: ctypes.CDLL) -> bool:
@@ -333,11 +332,11 @@ def vnni_supported(group_size: int, in_features: int, lib: ctypes.CDLL) -> bool:
 
 def int8_gemm_vnni_torch(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group_size: int | None = None,
                          bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] float32, quantized per block of 32 inputs as for W4A8 (outliers, above VNNI_OUTLIER times
-    the block's mean |x|, exact), times the int8 weight q [N, K] with scales [N, groups] -> [M, N] float32."""
+    """x [M, K] float32, quantized per block of 32 inputs as for W4A8 (outliers exact), times the int8
+    weight q [N, K] with scales [N, groups] -> [M, N] float32."""
     group = check_group_size(group_size, q.shape[1])
     u = (q.int() + VNNI_ZERO).to(torch.uint8)
-    return int4_gemm_w4a8_torch(x, u, torch.full_like(scales, VNNI_ZERO), scales, group, bias, VNNI_OUTLIER)
+    return int4_gemm_w4a8_torch(x, u, torch.full_like(scales, VNNI_ZERO), scales, group, bias)
 
 
 @dataclass(frozen=True)
