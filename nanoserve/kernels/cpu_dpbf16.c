@@ -66,15 +66,8 @@ static void tile_rows(const uint16_t *x, int64_t M, int64_t K, int64_t Kp, uint3
     }
 }
 
-/* 16 float32 lanes rounded to bf16 (nearest even; NaN quiet), as cpu_kernels.c's f32_to_bf16. */
-static inline __m256i dp_f32_to_bf16(__m512 v) {
-    const __m512i u = _mm512_castps_si512(v), hi = _mm512_srli_epi32(u, 16);
-    const __m512i rounded = _mm512_srli_epi32(
-        _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(hi, _mm512_set1_epi32(1)))), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
-    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40))));
-}
+/* in cpu_int8.c: 16 float32 lanes rounded to bf16 as cpu_kernels.c's f32_to_bf16 */
+__m256i f32x16_to_bf16(__m512 v);
 
 /* Rows m0 .. m0+mb-1 (m0 a multiple of DP_ROWS) against one panel, one float32 chain a row: a
    decode step's 16 rows multiply each weight as it streams in, where two 8-row tiles would stream
@@ -133,7 +126,7 @@ static inline __attribute__((always_inline)) void dp_tile(const int mb, const ui
     if (mb > r) {                                                                                 \
         const __m512 out = _mm512_add_ps(a##r, bv);                                               \
         if (y_bf16)                                                                               \
-            _mm256_mask_storeu_epi16((uint16_t *)y + (m0 + r) * N + n0, mask, dp_f32_to_bf16(out));   \
+            _mm256_mask_storeu_epi16((uint16_t *)y + (m0 + r) * N + n0, mask, f32x16_to_bf16(out));   \
         else                                                                                      \
             _mm512_mask_storeu_ps((float *)y + (m0 + r) * N + n0, mask, out);                    \
     }

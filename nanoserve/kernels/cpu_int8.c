@@ -751,15 +751,10 @@ static inline __attribute__((always_inline)) void w4a8_tile(const int mb, const 
 /* point, offsets = -128 * s, through the W4A8 zero-point term (xg). Per block of 32 inputs and   */
 /* row, each float32 sum is updated by the same operations in the same order as the AVX2 W4A8     */
 /* tile's, so both give the same bits (int8 per channel scales once per column instead).           */
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define VNNI 1
-#define VNNI_PREFETCH 8192 /* bytes ahead: the first row tile of a panel streams it from DRAM */
-#define VNNI_ROWS 16 /* rows per tile, one int32 chain each (two for up to 8 rows): a decode step's 16 rows
-                        multiply each weight as it streams in, where two 8-row tiles multiplied it from
-                        cache for the second (1.5x at 16 rows) */
-
-/* 16 float32 lanes rounded to bf16 as cpu_kernels.c's f32_to_bf16 (nearest even; NaN quiet). */
-static inline __m256i vnni_f32_to_bf16(__m512 v) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* 16 float32 lanes rounded to bf16 as cpu_kernels.c's f32_to_bf16 (nearest even; NaN quiet); the
+   AVX-512 tiles here and in cpu_dpbf16.c write their bf16 rows with it. */
+__m256i f32x16_to_bf16(__m512 v) {
     const __m512i u = _mm512_castps_si512(v), hi = _mm512_srli_epi32(u, 16);
     const __m512i rounded = _mm512_srli_epi32(
         _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(hi, _mm512_set1_epi32(1)))), 16);
@@ -767,6 +762,15 @@ static inline __m256i vnni_f32_to_bf16(__m512 v) {
                                                   _mm512_set1_epi32(0x7f800000));
     return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40))));
 }
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define VNNI 1
+#define VNNI_PREFETCH 8192 /* bytes ahead: the first row tile of a panel streams it from DRAM */
+#define VNNI_ROWS 16 /* rows per tile, one int32 chain each (two for up to 8 rows): a decode step's 16 rows
+                        multiply each weight as it streams in, where two 8-row tiles multiplied it from
+                        cache for the second (1.5x at 16 rows) */
+
 
 /* One row's exact outliers and zero-point term, added to its float32 sums acc (16 columns). Per
    group: the outliers' v * u summed unscaled (u picked from the panel by one byte shuffle), then
@@ -928,7 +932,7 @@ static inline __attribute__((always_inline)) void vnni_tile(const int mb, const 
         const __m512 acc = vnni_row_finish(f, bits, m0 + r, on, ok, ov, E, xg, G, panel, scales, offsets, Np, group, n0);
         const __m512 out = bias ? _mm512_add_ps(acc, bv) : acc;
         if (y_bf16)
-            _mm256_mask_storeu_epi16((uint16_t *)y + (m0 + r) * N + n0, mask, vnni_f32_to_bf16(out));
+            _mm256_mask_storeu_epi16((uint16_t *)y + (m0 + r) * N + n0, mask, f32x16_to_bf16(out));
         else
             _mm512_mask_storeu_ps((float *)y + (m0 + r) * N + n0, mask, out);
     }
