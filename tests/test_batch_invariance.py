@@ -81,3 +81,17 @@ def test_vllm_env_turns_it_on(monkeypatch):
 
     assert CPUOptions.from_env({"VLLM_BATCH_INVARIANT": "1"}).batch_invariant
     assert not CPUOptions.from_env({}).batch_invariant
+
+
+def test_batch_invariant_bf16_picks_the_panel_gemm():
+    import torch
+
+    from nanoserve.backends.cpu import choose_gemm, gemm_unavailable
+    from nanoserve.kernels import cpu_kernels
+
+    lib = cpu_kernels.load()
+    kernels = cpu_kernels.CPUKernels(lib) if lib is not None else None
+    if gemm_unavailable("panel", torch.bfloat16, kernels) is not None:
+        pytest.skip("no panel GEMM here")
+    # dpbf16 (the default on AVX512-BF16) splits a row's sums by tile height: not invariant
+    assert choose_gemm("auto", torch.bfloat16, kernels, batch_invariant=True) == "panel"

@@ -149,12 +149,12 @@ def test_accuracy_gate_on_a_checkpoint_with_outlier_channels(tiny_model, tmp_pat
     it where it is not faster)."""
     import random
 
-    from nanoserve.bench.accuracy import INT8_PATHS, measure_accuracy, realistic_checkpoint
+    from nanoserve.bench.accuracy import int8_paths, measure_accuracy, realistic_checkpoint
 
     model = realistic_checkpoint(tiny_model, str(tmp_path / "outliers"))
     rng = random.Random(0)
     prompts = [[rng.randrange(900) for _ in range(rng.randint(8, 24))] for _ in range(8)]
-    paths = {**INT8_PATHS, "fp32": {"llm": {"dtype": "float32"}}}
+    paths = {**int8_paths(), "fp32": {"llm": {"dtype": "float32"}}}
     results, teachers = measure_accuracy(model, prompts, 32, paths, device="cpu", dtype="bfloat16",
                                          max_model_len=128, num_kvcache_blocks=256)
     got = {r.path: r for r in results}

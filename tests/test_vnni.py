@@ -21,7 +21,7 @@ ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 65, 257, 300]
 # (N, K, group): N not a multiple of the 16-column panel, K not a multiple of the 32-input block,
 # per channel (None) and groups of whole blocks.
 SHAPES = [(101, 64, None), (35, 101, None), (16, 3, None), (1, 130, None), (40, 1000, None), (33, 256, 64),
-          (20, 160, 32)]
+          (20, 160, 32), (40, 200, 32)]  # the last: groups that do not divide K
 
 
 def _case(rows: int, n: int, k: int, seed: int):
@@ -108,3 +108,16 @@ def test_llm_int8_runs_the_vnni_kernel_by_default(tiny_model, monkeypatch):
     ref = LLM(tiny_model, quantization="int8", **kw).generate(prompts, params, use_tqdm=False)
     same = sum(a == b for o, r in zip(out, ref) for a, b in zip(o.outputs[0].token_ids, r.outputs[0].token_ids))
     assert same >= 12  # of 16: a random model amplifies rounding, yet most greedy tokens agree
+
+
+def test_vnni_request_is_checked_where_int8_weights_need_it():
+    from nanoserve.backends.cpu import CPUBackend, CPUOptions
+    from nanoserve.quantization.weight import QuantizedWeight
+
+    # a model without int8 weights does not care which int8 path is asked for
+    CPUBackend(torch.device("cpu"), torch.bfloat16, CPUOptions(int8="vnni"), quantization=None)
+    backend = CPUBackend(torch.device("cpu"), torch.bfloat16, CPUOptions(int8="vnni"), quantization="int8")
+    assert backend.int8_vnni
+    q = torch.randint(-127, 128, (32, 64), dtype=torch.int8)
+    with pytest.raises(ValueError, match="group_size a multiple of 32.*16"):
+        backend.prepare_quantized_linear(QuantizedWeight(q, torch.rand(32, 4), 16), None)

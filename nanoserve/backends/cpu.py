@@ -143,15 +143,21 @@ def gemm_unavailable(path: str, dtype: torch.dtype, kernels: cpu_kernels.CPUKern
     return None
 
 
-def choose_gemm(requested: str, dtype: torch.dtype, kernels: cpu_kernels.CPUKernels | None) -> str:
+def choose_gemm(requested: str, dtype: torch.dtype, kernels: cpu_kernels.CPUKernels | None,
+                batch_invariant: bool = False) -> str:
+    """The GEMM path: `requested`, or for auto the fastest this CPU has for `dtype`; with batch_invariant,
+    for bf16 the panel GEMM, the one whose per-row sums do not depend on the rows beside them (dpbf16
+    splits a row's sums into two chains in tiles of up to 8 rows, one above)."""
     if requested != "auto":
         reason = gemm_unavailable(requested, dtype, kernels)
         if reason is not None:
             raise ValueError(f"NANOSERVE_CPU_GEMM={requested} cannot run here: {reason}")
         return requested
-    if dtype == torch.bfloat16:
-        candidates = ("dpbf16", "onednn-bf16", "panel", "onednn-fp32") if native_lowp_gemm(dtype) \
-            else ("panel", "onednn-fp32")
+    if dtype == torch.bfloat16 and batch_invariant:
+        candidates = ("panel", "onednn-fp32")
+    elif dtype == torch.bfloat16:
+        candidates = ("dpbf16",) + (("onednn-bf16", "panel", "onednn-fp32") if native_lowp_gemm(dtype)
+                                    else ("panel", "onednn-fp32"))
     elif dtype == torch.float16 and native_lowp_gemm(dtype):
         candidates = ("native",)
     else:
@@ -180,7 +186,7 @@ class CPUBackend(Backend):
             logger.info("the CPU kernels could not be built: PyTorch paths run instead")
         self.kernels = cpu_kernels.CPUKernels(lib) if lib is not None else None
         self.attention_lib = lib if self.options.attention == "auto" and dtype in cpu_attention.DTYPE_CODES else None
-        self.gemm = choose_gemm(self.options.gemm, dtype, self.kernels)
+        self.gemm = choose_gemm(self.options.gemm, dtype, self.kernels, self.options.batch_invariant)
         # The int8 GEMMs: every linear with quantization="int8", a pre-quantized checkpoint's
         # integer weights (prepare_quantized_linear) otherwise.
         self.int8 = self.int4 = None
@@ -194,10 +200,9 @@ class CPUBackend(Backend):
         # for int4.
         wants_vnni = self.options.int8 == "vnni" or (self.options.int8 == "auto" and dtype != torch.float32)
         self.int8_vnni = self.int8 is not None and wants_vnni and bool(self.kernels.lib.vnni_supported())
-        if self.options.int8 == "vnni" and not self.int8_vnni:
-            raise ValueError("NANOSERVE_CPU_INT8=vnni needs a CPU with AVX512-VNNI and the C kernels built for it")
         self.checkpoint_paths: set[str] = set()  # what prepare_quantized_linear chose, for describe()
         if quantization == "int8":
+            self._check_vnni_request(None, None)
             if self.int8 is None:
                 raise ValueError("quantization='int8' needs the CPU kernels built with AVX2 and FMA "
                                  "(a C compiler, NANOSERVE_CPU_KERNELS=1)")
@@ -215,6 +220,16 @@ class CPUBackend(Backend):
         if self.checkpoint_paths:  # a pre-quantized checkpoint's linears (the rest run `gemm`)
             out["quantized linears"] = ", ".join(sorted(self.checkpoint_paths))
         return out
+
+    def _check_vnni_request(self, group_size: int | None, in_features: int | None) -> None:
+        """NANOSERVE_CPU_INT8=vnni for int8 weights that cannot run it here: a ValueError, never W8A16 instead."""
+        if self.options.int8 != "vnni":
+            return
+        if not self.int8_vnni:
+            raise ValueError("NANOSERVE_CPU_INT8=vnni needs a CPU with AVX512-VNNI and the C kernels built for it")
+        if group_size is not None and not w4a8_supported(group_size, in_features):
+            raise ValueError(f"NANOSERVE_CPU_INT8=vnni needs group_size a multiple of 32 (or one group per row); "
+                             f"this checkpoint's is {group_size}")
 
     def _int8_path_name(self) -> str:
         if self.int8_vnni:
@@ -249,6 +264,7 @@ class CPUBackend(Backend):
             w4a8 = self._int4_rounds_activations() and w4a8_supported(weight.group_size, weight.qweight.shape[1])
             self.checkpoint_paths.add("int4 W4A8" if w4a8 else "int4 W4A16")
             return Int4Gemm(weight, bias, self.int4, w4a8)
+        self._check_vnni_request(weight.group_size, weight.qweight.shape[1])
         vnni = self.int8_vnni and w4a8_supported(weight.group_size, weight.qweight.shape[1])
         self.checkpoint_paths.add(self._int8_path_name() if vnni or not self.int8_vnni else "int8 W8A16")
         return Int8Gemm(weight, bias, self.int8, self.w8a8_min_rows, vnni=vnni)  # each path's float32 result, not rounded and widened

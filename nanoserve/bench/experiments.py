@@ -15,7 +15,7 @@ import tempfile
 import time
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.bench.accuracy import INT8_PATHS, measure_accuracy, realistic_checkpoint
+from nanoserve.bench.accuracy import int8_paths, measure_accuracy, realistic_checkpoint
 from nanoserve.bench.driver import drive, sampling_params, warm_up
 from nanoserve.bench.machine import engine_description
 from nanoserve.bench.model_shape import ModelShape
@@ -253,7 +253,7 @@ def bench_accuracy(args: argparse.Namespace, requests: list[Request], report: di
 
 
 def _accuracy_gate(args: argparse.Namespace, prompts: list[list[int]], models: dict[str, str], report: dict) -> None:
-    paths = {**INT8_PATHS, "float32 (floor)": {"llm": {"dtype": "float32"}}}
+    paths = {**int8_paths(), "float32 (floor)": {"llm": {"dtype": "float32"}}}
     max_model_len = max(len(p) for p in prompts) + args.accuracy_tokens
     report["accuracy"] = {}
     for name, model in models.items():

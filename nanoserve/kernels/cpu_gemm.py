@@ -110,7 +110,7 @@ class DotBF16Gemm:
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the packed weight, [*ids.shape, in] bf16, bit for bit (a tied embedding's lookup)."""
         picked = self.panels[ids // PANEL, :, ids % PANEL, :]  # [*ids.shape, K / 2, 2]
-        return picked.reshape(*ids.shape, -1)[..., : self.in_features]
+        return picked.reshape(*ids.shape, -1)[..., : self.in_features].contiguous()
 
 
 class OneDNNGemm:

@@ -516,7 +516,7 @@ int int4_gemm_w4a16(const void *x, int64_t M, int64_t K, const int8_t *panels, c
    ~6% of a down projection's inputs pass 4x (the threshold until this was measured), and their exact
    float32 sums took twice its multiply-adds; ~1% pass 8x, for the same teacher-forced accuracy. */
 #define W4_OUTLIER 8.0
-#define W4_MAX_OUTLIERS 8 /* per block: k outliers hold > k * 4 / 32 of the block's sum of |x|, so k < 8 */
+#define W4_MAX_OUTLIERS 8 /* per block: k outliers hold > k * 8 / 32 of the block's sum of |x|, so k < 4 (room to spare) */
 #define W4_ROW_TILES(TILE, ...)                                                                  \
     do {                                                                                         \
         int64_t m0 = r0;                                                                         \

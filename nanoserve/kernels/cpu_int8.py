@@ -67,7 +67,7 @@ def quantize_rows_int8_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     """x [M, K] float32 -> (q [M, K] int16 holding int8 values, scales [M] float32), per token.
     The same float operations as quantize_rows_int8 in C: q = round-half-even(x * (127 / amax))."""
     amax = x.abs().amax(dim=1)
-    inv = torch.where(amax > 0, QMAX / amax, torch.zeros_like(amax))
+    inv = torch.where(amax > 0, torch.full_like(amax, QMAX) / amax, torch.zeros_like(amax))  # 127.0f / amax, as C
     return torch.round(x * inv[:, None]).to(torch.int16), amax / QMAX
 
 
@@ -258,7 +258,7 @@ def quantize_blocks_int8_torch(x: torch.Tensor, outlier: float = W4A8_OUTLIER) -
     outlier = blocks.abs().double() > limit[..., None]
     kept = torch.where(outlier, torch.zeros_like(blocks), blocks)
     amax = kept.abs().amax(dim=2)
-    inv = torch.where(amax > 0, QMAX / amax, torch.zeros_like(amax))
+    inv = torch.where(amax > 0, torch.full_like(amax, QMAX) / amax, torch.zeros_like(amax))  # 127.0f / amax, as C
     qx = torch.round(kept * inv[..., None]).to(torch.int8).view(m, kp)
     return qx, amax / QMAX, outlier.view(m, kp)[:, :k]
 
