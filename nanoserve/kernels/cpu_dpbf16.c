@@ -78,8 +78,10 @@ static inline __attribute__((always_inline)) void dp_tile(const int mb, const ui
     const uint32_t *xb = xt + (m0 / DP_ROWS) * (Kp / 2) * DP_ROWS;
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
     __m512 a8 = a0, a9 = a0, a10 = a0, a11 = a0, a12 = a0, a13 = a0, a14 = a0, a15 = a0;
-#define DP_ROW(r, wv, at) \
-    if (mb > r) a##r = _mm512_dpbf16_ps(a##r, (__m512bh)_mm512_set1_epi32((int)xb[(at) * DP_ROWS + r]), wv);
+/* row r's input pair `at` broadcast to the 16 columns, into accumulator a<acc> */
+#define DP_INTO(acc, r, wv, at) \
+    if (mb > r) a##acc = _mm512_dpbf16_ps(a##acc, (__m512bh)_mm512_set1_epi32((int)xb[(at) * DP_ROWS + r]), wv);
+#define DP_ROW(r, wv, at) DP_INTO(r, r, wv, at)
 #define DP_STEP(wv, at) DP_ROW(0, wv, at) DP_ROW(1, wv, at) DP_ROW(2, wv, at) DP_ROW(3, wv, at) DP_ROW(4, wv, at) \
     DP_ROW(5, wv, at) DP_ROW(6, wv, at) DP_ROW(7, wv, at) DP_ROW(8, wv, at) DP_ROW(9, wv, at) DP_ROW(10, wv, at)   \
     DP_ROW(11, wv, at) DP_ROW(12, wv, at) DP_ROW(13, wv, at) DP_ROW(14, wv, at) DP_ROW(15, wv, at)
@@ -93,14 +95,8 @@ static inline __attribute__((always_inline)) void dp_tile(const int mb, const ui
             const __m512bh wa = (__m512bh)_mm512_loadu_si512(w), wb = (__m512bh)_mm512_loadu_si512(w + 32);
             DP_ROW(0, wa, k2) DP_ROW(1, wa, k2) DP_ROW(2, wa, k2) DP_ROW(3, wa, k2) DP_ROW(4, wa, k2)
             DP_ROW(5, wa, k2) DP_ROW(6, wa, k2) DP_ROW(7, wa, k2)
-            if (mb > 0) a8 = _mm512_dpbf16_ps(a8, (__m512bh)_mm512_set1_epi32((int)xb[(k2 + 1) * DP_ROWS + 0]), wb);
-            if (mb > 1) a9 = _mm512_dpbf16_ps(a9, (__m512bh)_mm512_set1_epi32((int)xb[(k2 + 1) * DP_ROWS + 1]), wb);
-            if (mb > 2) a10 = _mm512_dpbf16_ps(a10, (__m512bh)_mm512_set1_epi32((int)xb[(k2 + 1) * DP_ROWS + 2]), wb);
-            if (mb > 3) a11 = _mm512_dpbf16_ps(a11, (__m512bh)_mm512_set1_epi32((int)xb[(k2 + 1) * DP_ROWS + 3]), wb);
-            if (mb > 4) a12 = _mm512_dpbf16_ps(a12, (__m512bh)_mm512_set1_epi32((int)xb[(k2 + 1) * DP_ROWS + 4]), wb);
-            if (mb > 5) a13 = _mm512_dpbf16_ps(a13, (__m512bh)_mm512_set1_epi32((int)xb[(k2 + 1) * DP_ROWS + 5]), wb);
-            if (mb > 6) a14 = _mm512_dpbf16_ps(a14, (__m512bh)_mm512_set1_epi32((int)xb[(k2 + 1) * DP_ROWS + 6]), wb);
-            if (mb > 7) a15 = _mm512_dpbf16_ps(a15, (__m512bh)_mm512_set1_epi32((int)xb[(k2 + 1) * DP_ROWS + 7]), wb);
+            DP_INTO(8, 0, wb, k2 + 1) DP_INTO(9, 1, wb, k2 + 1) DP_INTO(10, 2, wb, k2 + 1) DP_INTO(11, 3, wb, k2 + 1)
+            DP_INTO(12, 4, wb, k2 + 1) DP_INTO(13, 5, wb, k2 + 1) DP_INTO(14, 6, wb, k2 + 1) DP_INTO(15, 7, wb, k2 + 1)
         }
         if (k2 < pairs) {
             const __m512bh wa = (__m512bh)_mm512_loadu_si512(panel + k2 * DP_PANEL * 2);
@@ -120,6 +116,7 @@ static inline __attribute__((always_inline)) void dp_tile(const int mb, const ui
     }
 #undef DP_STEP
 #undef DP_ROW
+#undef DP_INTO
     const __mmask16 mask = (__mmask16)((1u << nn) - 1);
     const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
 #define DP_STORE(r)                                                                               \

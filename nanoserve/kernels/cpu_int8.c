@@ -21,6 +21,9 @@
  *          and its int16 pair sums saturate for u8 activations (255 * 127 * 2 > 32767) unless
  *          activations or weights lose a bit. The int16 form has neither problem.
  * Exact int32 sums: |x|, |w| <= 127 and K < 2^31 / 127^2 / 2 per group.
+ *
+ * On CPUs with AVX512-VNNI a third int8 kernel (VNNI, below W4A8) takes its own layout, the
+ * weights as q + 128 in vpdpbusd's operand order, and runs W4A8's panels as well.
  */
 #include <math.h>
 #include <stdint.h>

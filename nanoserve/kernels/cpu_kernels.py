@@ -1,13 +1,14 @@
 """Build, load and call the C kernels in cpu_kernels.c (CPU only).
 
-The sources (this file's cpu_kernels.c and cpu_int8.c, one library) are compiled once per machine with the system C compiler (`cc -O3 -march=native
--fopenmp`) into $NANOSERVE_CACHE/kernels (default ~/.cache/nanoserve/kernels, keyed by the source,
+The sources (SOURCES: cpu_kernels.c, cpu_int8.c, cpu_dpbf16.c, cpu_decode_layers.c; one library) are compiled once
+per machine with the system C compiler (`cc -O3 -march=native -fopenmp`) into $NANOSERVE_CACHE/kernels (default ~/.cache/nanoserve/kernels, keyed by the source,
 the flags and the CPU) and loaded with ctypes; it links the OpenMP runtime torch has already
 loaded. Where no compiler is found or the build fails, `load()` returns None and the CPU backend
 keeps its PyTorch paths (it also decides whether to load them at all: NANOSERVE_CPU_KERNELS).
 
-`CPUKernels` binds the small fused ops (RMSNorm with residual, q/k norm + RoPE) and the small-M
-GEMM over packed bf16 weight panels to a loaded library; attention lives in cpu_attention.py.
+`CPUKernels` binds the small fused ops (RMSNorm with residual, q/k norm + RoPE) and the GEMMs over
+packed bf16 weights (the AVX2 panel GEMM, AVX512-BF16's dpbf16) to a loaded library; attention lives
+in cpu_attention.py, the int8/int4 GEMMs in cpu_int8.py.
 """
 from __future__ import annotations
 
@@ -275,7 +276,10 @@ class CPUKernels:
         """x [M, K] (bf16; others are rounded to it) @ (the weight packed in `panels`, [n, K] bf16)^T
         (+ bias float32) -> [M, n] bf16, or float32 for out_dtype float32. vdpbf16ps: float32 sums of
         bf16 products (AVX512-BF16)."""
-        x = x.to(torch.bfloat16).contiguous()
+        if x.dtype != torch.bfloat16:  # a no-op .to() costs ~3 us a call (see cpu_gemm._result)
+            x = x.to(torch.bfloat16)
+        if not x.is_contiguous():
+            x = x.contiguous()
         y_bf16 = out_dtype == torch.bfloat16
         y = torch.empty(x.shape[0], n, dtype=torch.bfloat16 if y_bf16 else torch.float32)
         with traced("nanoserve::cpu_dpbf16_gemm"):
