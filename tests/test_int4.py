@@ -103,17 +103,20 @@ def test_w4a8_kernel_matches_reference(rows, n, k, group):
 
 
 @needs_kernel
+@pytest.mark.parametrize("scale_blocks", [1, 2, 3])  # 1: W4A8's; 2: the int8 VNNI kernel's; 3: a partial last run
 @pytest.mark.parametrize("rows, k, heavy", [(1, 64, False), (7, 97, False), (300, 1024, False), (3, 3, False),
                                            (5, 3072, True)])
-def test_w4a8_activation_quantization_equals_reference_exactly(rows, k, heavy):
+def test_w4a8_activation_quantization_equals_reference_exactly(rows, k, heavy, scale_blocks):
     gen = torch.Generator().manual_seed(k)
     x = _with_outliers(torch.randn(rows, k, generator=gen) * 2, rows)
     if heavy:  # SiLU-and-mul's heavy tails, a down projection's input: most blocks hold an outlier
         x = torch.nn.functional.silu(x) * torch.randn(rows, k, generator=gen)
     x[0, : min(k, 40)] = 0.0  # an all-zero block: scale 0, no outlier
-    qx, xs, outlier = quantize_blocks_int8_torch(x)
-    got_qx, got_xs, _, count, inputs, values = KERNELS.quantize_blocks(x, k)
+    qx, xs, outlier = quantize_blocks_int8_torch(x, scale_blocks=scale_blocks)
+    got_qx, got_xs, _, count, inputs, values = KERNELS.quantize_blocks(x, k, scale_blocks=scale_blocks)
     assert torch.equal(got_qx, qx) and torch.equal(got_xs, xs)
+    runs = got_xs[:, : got_xs.shape[1] // scale_blocks * scale_blocks].view(rows, -1, scale_blocks)
+    assert (runs == runs[..., :1]).all()  # one scale per run of blocks
     assert got_qx.shape == (rows, -(-k // W4A8_BLOCK) * W4A8_BLOCK) and int(got_qx.abs().max()) <= 127
     assert torch.equal(count.long(), outlier.sum(1))
     for m in range(rows):  # the outliers' inputs in order, their values exactly x's

@@ -244,12 +244,13 @@ def w4a8_supported(group_size: int, in_features: int) -> bool:
     return group_size % W4A8_BLOCK == 0 or group_size >= in_features
 
 
-def quantize_blocks_int8_torch(x: torch.Tensor, outlier: float = W4A8_OUTLIER) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                        torch.Tensor]:
+def quantize_blocks_int8_torch(x: torch.Tensor, outlier: float = W4A8_OUTLIER,
+                               scale_blocks: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] float32 -> (qx [M, Kp] int8, zero past K and at outliers; xs [M, Kp / 32] float32;
     outliers [M, K] bool), Kp = K rounded up to 32. The same float operations as quantize_blocks_int8
     in C: per block of 32 inputs, a value above `outlier` times the block's mean |x| is an outlier
-    (kept exactly, out of qx); of the rest, qx = round-half-even(x * (127 / amax)), xs = amax / 127."""
+    (kept exactly, out of qx); of the rest, per run of `scale_blocks` blocks (each block of a run
+    takes its scale), qx = round-half-even(x * (127 / amax)), xs = amax / 127."""
     m, k = x.shape
     kp = -(-k // W4A8_BLOCK) * W4A8_BLOCK
     blocks = torch.cat([x, x.new_zeros(m, kp - k)], dim=1).view(m, kp // W4A8_BLOCK, W4A8_BLOCK)
@@ -257,7 +258,10 @@ def quantize_blocks_int8_torch(x: torch.Tensor, outlier: float = W4A8_OUTLIER) -
     limit = outlier * blocks.double().abs().sum(-1) / real
     outlier = blocks.abs().double() > limit[..., None]
     kept = torch.where(outlier, torch.zeros_like(blocks), blocks)
-    amax = kept.abs().amax(dim=2)
+    amax = kept.abs().amax(dim=2)  # [M, blocks]
+    runs = -(-amax.shape[1] // scale_blocks)
+    padded = torch.cat([amax, amax.new_zeros(m, runs * scale_blocks - amax.shape[1])], dim=1)
+    amax = padded.view(m, runs, scale_blocks).amax(dim=2).repeat_interleave(scale_blocks, dim=1)[:, : amax.shape[1]]
     inv = torch.where(amax > 0, torch.full_like(amax, QMAX) / amax, torch.zeros_like(amax))  # 127.0f / amax, as C
     qx = torch.round(kept * inv[..., None]).to(torch.int8).view(m, kp)
     return qx, amax / QMAX, outlier.view(m, kp)[:, :k]
@@ -265,10 +269,11 @@ def quantize_blocks_int8_torch(x: torch.Tensor, outlier: float = W4A8_OUTLIER) -
 
 def int4_gemm_w4a8_torch(x: torch.Tensor, q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
                          group_size: int, bias: torch.Tensor | None = None,
-                         outlier_factor: float = W4A8_OUTLIER) -> torch.Tensor:
-    """x [M, K] float32, quantized per block of 32 inputs (outliers exact), times the 4-bit weight -> [M, N]."""
+                         outlier_factor: float = W4A8_OUTLIER, scale_blocks: int = 1) -> torch.Tensor:
+    """x [M, K] float32, quantized per block of 32 inputs (a scale per `scale_blocks` blocks; outliers
+    exact), times the 4-bit weight -> [M, N]."""
     m, k = x.shape
-    qx, xs, outlier = quantize_blocks_int8_torch(x.float(), outlier_factor)
+    qx, xs, outlier = quantize_blocks_int8_torch(x.float(), outlier_factor, scale_blocks)
     x_hat = (qx.double().view(m, -1, W4A8_BLOCK) * xs.double()[..., None]).view(m, -1)[:, :k]
     x_hat = torch.where(outlier, x.double(), x_hat)
     return int4_gemm_w4a16_torch(x_hat, q, zeros, scales, group_size, bias)
@@ -330,13 +335,25 @@ def vnni_supported(group_size: int, in_features: int, lib: ctypes.CDLL) -> bool:
     return bool(lib.vnni_supported()) and w4a8_supported(group_size, in_features)
 
 
+VNNI_SCALE_BLOCKS = 2  # int8 weights: blocks of 32 inputs per activation scale (cpu_int8.c says why)
+
+
+def vnni_scale_blocks(group: int, in_features: int) -> int:
+    """Blocks per activation scale of the int8 VNNI kernel: VNNI_SCALE_BLOCKS where no scale run would
+    span two weight groups, else one (as vnni_gemm_f32 decides)."""
+    per_group = group // W4A8_BLOCK
+    return VNNI_SCALE_BLOCKS if group >= in_features or per_group % VNNI_SCALE_BLOCKS == 0 else 1
+
+
 def int8_gemm_vnni_torch(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group_size: int | None = None,
                          bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] float32, quantized per block of 32 inputs as for W4A8 (outliers exact), times the int8
-    weight q [N, K] with scales [N, groups] -> [M, N] float32."""
+    """x [M, K] float32, quantized as for W4A8 (outliers exact, found per block of 32 inputs) but with
+    a scale per vnni_scale_blocks blocks, times the int8 weight q [N, K] with scales [N, groups] ->
+    [M, N] float32."""
     group = check_group_size(group_size, q.shape[1])
     u = (q.int() + VNNI_ZERO).to(torch.uint8)
-    return int4_gemm_w4a8_torch(x, u, torch.full_like(scales, VNNI_ZERO), scales, group, bias)
+    return int4_gemm_w4a8_torch(x, u, torch.full_like(scales, VNNI_ZERO), scales, group, bias,
+                                scale_blocks=vnni_scale_blocks(group, q.shape[1]))
 
 
 @dataclass(frozen=True)
@@ -388,7 +405,8 @@ class Int4Kernels:
         """The kernel `w` was packed for."""
         return (self.w4a8 if w.w4a8 else self.w4a16)(x, w, bias, out_dtype)
 
-    def quantize_blocks(self, x: torch.Tensor, group_size: int, outlier: float = W4A8_OUTLIER) -> tuple[torch.Tensor, ...]:
+    def quantize_blocks(self, x: torch.Tensor, group_size: int, outlier: float = W4A8_OUTLIER,
+                        scale_blocks: int = 1) -> tuple[torch.Tensor, ...]:
         """x [M, K] float32 -> (qx [M, Kp] int8, xs [M, Kp / 32], xg [M, groups] float32, and the outliers:
         count [M] int32, inputs [M, E] int32, values [M, E] float32): quantize_blocks_int8_torch's qx and
         xs, xg the zero-point term's sums of xs * qx per group."""
@@ -402,7 +420,7 @@ class Int4Kernels:
         count = torch.empty(m, dtype=torch.int32)
         inputs = torch.empty(m, capacity, dtype=torch.int32)
         values = torch.empty(m, capacity, dtype=torch.float32)
-        self.lib.quantize_blocks_int8(x.data_ptr(), m, k, kp, group_size, outlier, qx.data_ptr(), xs.data_ptr(), xg.data_ptr(),
+        self.lib.quantize_blocks_int8(x.data_ptr(), m, k, kp, group_size, outlier, scale_blocks, qx.data_ptr(), xs.data_ptr(), xg.data_ptr(),
                                       count.data_ptr(), inputs.data_ptr(), values.data_ptr(), torch.get_num_threads())
         return qx, xs, xg, count, inputs, values
 

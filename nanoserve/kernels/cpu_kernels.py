@@ -53,7 +53,7 @@ SIGNATURES = {
     "int8_gemm_w8a16": [_P, _I64, _I64, _P, _I64, _P, _I64, _I64, _P, _P, _I32, _I32],
     "int8_gemm_w8a8": [_P, _P, _I64, _I64, _P, _I64, _P, _I64, _I64, _P, _P, _I32],
     "int4_gemm_w4a16": [_P, _I64, _I64, _P, _P, _P, _I64, _I64, _P, _P, _I32, _I32],
-    "quantize_blocks_int8": [_P, _I64, _I64, _I64, _I64, ctypes.c_double] + [_P] * 6 + [_I32],
+    "quantize_blocks_int8": [_P, _I64, _I64, _I64, _I64, ctypes.c_double, _I64] + [_P] * 6 + [_I32],
     "int4_gemm_w4a8": [_P, _I64, _I64, _P, _P, _P, _I64, _I64, _P, _P, _I32, _I32],
     "vnni_supported": [],
     "dpbf16_supported": [],
