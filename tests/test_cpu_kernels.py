@@ -42,6 +42,7 @@ CASES = {
     "gqa4_prefix": ([(6, 20), (2, 17)], 8, 2, 32, 8),
     "mqa_block1": ([(3, 6), (1, 5)], 4, 1, 16, 1),
     "gqa3_block6_d24": ([(4, 13), (1, 7), (7, 7)], 6, 2, 24, 6),
+    "gqa3_d64": ([(1, 45), (2, 9), (1, 1)], 6, 2, 64, 16),  # an odd GQA group in the AVX-512 decode loops
     # Longer than one 32-token tile, a cached prefix, Qwen3-0.6B's head shape.
     "qwen3_shape_multi_tile": ([(40, 40), (6, 70), (1, 33), (33, 100)], 16, 8, 128, 16),
 }

@@ -852,21 +852,35 @@ static void vnni_tile_rows(const int8_t *xq, const float *xs, int64_t M, int64_t
     }
 }
 
-/* A full tile (VNNI_ROWS rows) against one panel of `bits`-bit weights: its float32 sums into
-   facc[16][16], scaled per run of `run` blocks (xst: the run's activation scales per row, as
+/* A tile against one panel of `bits`-bit weights, all VNNI_ROWS rows (half: the first 8, two int32
+   chains a row so that vpdpbusd's latency stays covered; rows past M are zero in xb): its float32
+   sums into facc, scaled per run of `run` blocks (xst: the run's activation scales per row, as
    vnni_tile_rows laid them out; gscale: the weight group's column scales, or NULL per channel).
    vpdpbusd with each row's 4 inputs broadcast from memory ({1to16}) is one instruction a row and
    step, its accumulator tied to a register: through the intrinsic's destructive operand, GCC copied
    all sixteen accumulators every step (the tile ran at ~50% of vpdpbusd's peak). */
-#define VNNI_DP(r, wv, at) __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(a##r) : "v"(wv), \
-                                   "m"(*(const int32_t *)(xb + r * W4_BLOCK + (at))));
-#define VNNI_DP16(wv, at) VNNI_DP(0, wv, at) VNNI_DP(1, wv, at) VNNI_DP(2, wv, at) VNNI_DP(3, wv, at)         \
-    VNNI_DP(4, wv, at) VNNI_DP(5, wv, at) VNNI_DP(6, wv, at) VNNI_DP(7, wv, at) VNNI_DP(8, wv, at)            \
-    VNNI_DP(9, wv, at) VNNI_DP(10, wv, at) VNNI_DP(11, wv, at) VNNI_DP(12, wv, at) VNNI_DP(13, wv, at)       \
-    VNNI_DP(14, wv, at) VNNI_DP(15, wv, at)
-static __attribute__((noinline)) void vnni_full_tile(const int bits, const uint8_t *w, const int8_t *xb,
-                                                     const float *xst, int64_t B, int64_t run, int64_t per_group,
-                                                     const float *gscale, int64_t Np, float facc[VNNI_ROWS][I8_PANEL]) {
+#define VNNI_DP(acc, r, wv, at) __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(a##acc) : "v"(wv), \
+                                        "m"(*(const int32_t *)(xb + r * W4_BLOCK + (at))));
+#define VNNI_DP8(wv, at) VNNI_DP(0, 0, wv, at) VNNI_DP(1, 1, wv, at) VNNI_DP(2, 2, wv, at) VNNI_DP(3, 3, wv, at) \
+    VNNI_DP(4, 4, wv, at) VNNI_DP(5, 5, wv, at) VNNI_DP(6, 6, wv, at) VNNI_DP(7, 7, wv, at)
+#define VNNI_DP8_HIGH(wv, at) VNNI_DP(8, 8, wv, at) VNNI_DP(9, 9, wv, at) VNNI_DP(10, 10, wv, at)                \
+    VNNI_DP(11, 11, wv, at) VNNI_DP(12, 12, wv, at) VNNI_DP(13, 13, wv, at) VNNI_DP(14, 14, wv, at)           \
+    VNNI_DP(15, 15, wv, at)
+#define VNNI_DP8_SECOND(wv, at) VNNI_DP(8, 0, wv, at) VNNI_DP(9, 1, wv, at) VNNI_DP(10, 2, wv, at)              \
+    VNNI_DP(11, 3, wv, at) VNNI_DP(12, 4, wv, at) VNNI_DP(13, 5, wv, at) VNNI_DP(14, 6, wv, at)               \
+    VNNI_DP(15, 7, wv, at)
+/* one weight vector against the tile's rows: all 16, or rows 0-7 into their first (chain 0) or
+   second (chain 1) accumulators */
+#define VNNI_STEP(wv, at, chain)                                                                 \
+    do {                                                                                         \
+        if (!half) { VNNI_DP8(wv, at) VNNI_DP8_HIGH(wv, at) }                                    \
+        else if (chain) { VNNI_DP8_SECOND(wv, at) }                                              \
+        else { VNNI_DP8(wv, at) }                                                                \
+    } while (0)
+static inline __attribute__((always_inline)) void vnni_asm_tile(const int bits, const int half, const uint8_t *w,
+                                                                 const int8_t *xb, const float *xst, int64_t B,
+                                                                 int64_t run, int64_t per_group, const float *gscale,
+                                                                 int64_t Np, float facc[VNNI_ROWS][I8_PANEL]) {
     const __m512i nibble = _mm512_set1_epi8(0x0F);
     for (int r = 0; r < VNNI_ROWS; r++) _mm512_store_ps(facc[r], _mm512_setzero_ps());
     for (int64_t b0 = 0, g = 0, left = per_group; b0 < B; b0 += run) {
@@ -875,20 +889,27 @@ static __attribute__((noinline)) void vnni_full_tile(const int bits, const uint8
         __m512i a8 = a0, a9 = a0, a10 = a0, a11 = a0, a12 = a0, a13 = a0, a14 = a0, a15 = a0;
         for (int64_t b = b0; b < b1; b++, xb += VNNI_ROWS * W4_BLOCK) {
             if (bits == 8) {
-                for (int s = 0; s < W4_BLOCK / 4; s++, w += 64) {
+                for (int s = 0; s < W4_BLOCK / 4; s += 2, w += 128) {
                     _mm_prefetch((const char *)w + VNNI_PREFETCH, _MM_HINT_T0);
-                    const __m512i wv = _mm512_loadu_si512(w);
-                    VNNI_DP16(wv, 4 * s)
+                    _mm_prefetch((const char *)w + VNNI_PREFETCH + 64, _MM_HINT_T0);
+                    const __m512i wa = _mm512_loadu_si512(w), wb = _mm512_loadu_si512(w + 64);
+                    VNNI_STEP(wa, 4 * s, 0);
+                    VNNI_STEP(wb, 4 * s + 4, 1);
                 }
             } else {  /* W4A8's 64 bytes: low nibbles inputs 0-3 of the step, high ones 4-7 */
                 for (int s = 0; s < W4_BLOCK / 8; s++, w += 64) {
                     _mm_prefetch((const char *)w + VNNI_PREFETCH, _MM_HINT_T0);
                     const __m512i v = _mm512_loadu_si512(w);
                     const __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-                    VNNI_DP16(lo, 8 * s)
-                    VNNI_DP16(hi, 8 * s + 4)
+                    VNNI_STEP(lo, 8 * s, 0);
+                    VNNI_STEP(hi, 8 * s + 4, 1);
                 }
             }
+        }
+        if (half) {
+            a0 = _mm512_add_epi32(a0, a8), a1 = _mm512_add_epi32(a1, a9), a2 = _mm512_add_epi32(a2, a10);
+            a3 = _mm512_add_epi32(a3, a11), a4 = _mm512_add_epi32(a4, a12), a5 = _mm512_add_epi32(a5, a13);
+            a6 = _mm512_add_epi32(a6, a14), a7 = _mm512_add_epi32(a7, a15);
         }
         const float *xsb = xst + (b1 - 1) * VNNI_ROWS;  /* the run's activation scale of each row */
         /* per channel the column scale waits for the end: the run's sums times the row's scale */
@@ -896,9 +917,9 @@ static __attribute__((noinline)) void vnni_full_tile(const int bits, const uint8
     _mm512_store_ps(facc[r], _mm512_fmadd_ps(_mm512_cvtepi32_ps(a##r), x_scale, _mm512_load_ps(facc[r])));
 #define VNNI_FLUSH16(x_scale) VNNI_FLUSH(0, x_scale(0)) VNNI_FLUSH(1, x_scale(1)) VNNI_FLUSH(2, x_scale(2))        \
     VNNI_FLUSH(3, x_scale(3)) VNNI_FLUSH(4, x_scale(4)) VNNI_FLUSH(5, x_scale(5)) VNNI_FLUSH(6, x_scale(6))        \
-    VNNI_FLUSH(7, x_scale(7)) VNNI_FLUSH(8, x_scale(8)) VNNI_FLUSH(9, x_scale(9)) VNNI_FLUSH(10, x_scale(10))      \
-    VNNI_FLUSH(11, x_scale(11)) VNNI_FLUSH(12, x_scale(12)) VNNI_FLUSH(13, x_scale(13)) VNNI_FLUSH(14, x_scale(14)) \
-    VNNI_FLUSH(15, x_scale(15))
+    VNNI_FLUSH(7, x_scale(7)) if (!half) { VNNI_FLUSH(8, x_scale(8)) VNNI_FLUSH(9, x_scale(9))                     \
+    VNNI_FLUSH(10, x_scale(10)) VNNI_FLUSH(11, x_scale(11)) VNNI_FLUSH(12, x_scale(12)) VNNI_FLUSH(13, x_scale(13)) \
+    VNNI_FLUSH(14, x_scale(14)) VNNI_FLUSH(15, x_scale(15)) }
         if (gscale) {
             const __m512 s = _mm512_loadu_ps(gscale + g * Np);
 #define ROW_TIMES_GROUP(r) _mm512_mul_ps(s, _mm512_set1_ps(xsb[r]))
@@ -915,7 +936,23 @@ static __attribute__((noinline)) void vnni_full_tile(const int bits, const uint8
         if (left == 0) g++, left = per_group;
     }
 }
-#undef VNNI_DP16
+/* each instance its own function, its row count and weight width constants: the loops hold no
+   branch on them, and the accumulators' registers are allocated for that loop alone */
+#define VNNI_ASM_TILE(name, bits, half)                                                                      \
+    static __attribute__((noinline)) void name(const uint8_t *w, const int8_t *xb, const float *xst, int64_t B, \
+                                               int64_t run, int64_t per_group, const float *gscale, int64_t Np,   \
+                                               float facc[VNNI_ROWS][I8_PANEL]) {                                 \
+        vnni_asm_tile(bits, half, w, xb, xst, B, run, per_group, gscale, Np, facc);                               \
+    }
+VNNI_ASM_TILE(vnni_tile16_w8, 8, 0)
+VNNI_ASM_TILE(vnni_tile8_w8, 8, 1)
+VNNI_ASM_TILE(vnni_tile16_w4, 4, 0)
+VNNI_ASM_TILE(vnni_tile8_w4, 4, 1)
+#undef VNNI_ASM_TILE
+#undef VNNI_STEP
+#undef VNNI_DP8_SECOND
+#undef VNNI_DP8_HIGH
+#undef VNNI_DP8
 #undef VNNI_DP
 
 /* Rows m0 .. m0+mb-1 (m0 a multiple of VNNI_ROWS) of the quantized x, as vnni_tile_rows laid them
@@ -945,10 +982,15 @@ static inline __attribute__((always_inline)) void vnni_tile(const int mb, const 
     /* float32 sums in memory (L1), touched once per block: in registers they left no room for 16 rows */
     float facc[VNNI_ROWS][I8_PANEL] __attribute__((aligned(64)));
     for (int r = 0; r < mb; r++) _mm512_store_ps(facc[r], _mm512_setzero_ps());
-    if (mb == VNNI_ROWS)
-        vnni_full_tile(bits, panel, xt, xst, B, run, per_group, per_channel ? NULL : scales + n0, Np, facc);
+    /* 5-16 rows: the asm tiles, over the zero rows past M too (a decode step streams the weights:
+       their bytes take as long as the extra rows' math); 1-4 rows (int4 decode, the fewest bytes
+       per row): the loop below, each row its own */
+    const int asm_tile = mb > 4;
+    if (asm_tile)
+        (bits == 8 ? (mb > 8 ? vnni_tile16_w8 : vnni_tile8_w8) : (mb > 8 ? vnni_tile16_w4 : vnni_tile8_w4))(
+            panel, xt, xst, B, run, per_group, per_channel ? NULL : scales + n0, Np, facc);
     /* runs of `run` blocks (within one weight group), summed in int32, then scaled once */
-    for (int64_t b0 = 0, g = 0, left = per_group; mb < VNNI_ROWS && b0 < B; b0 += run) {
+    for (int64_t b0 = 0, g = 0, left = per_group; !asm_tile && b0 < B; b0 += run) {
         const int64_t b1 = b0 + run < B ? b0 + run : B;
         __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
         __m512i a8 = a0, a9 = a0, a10 = a0, a11 = a0, a12 = a0, a13 = a0, a14 = a0, a15 = a0;

@@ -325,6 +325,40 @@ static inline void qk_bf16_4x2(const float *q0, const float *q1, const uint16_t 
 }
 #endif
 
+#if defined(__AVX512F__)
+#define DECODE_ZMM 1
+/* qk_bf16_4x2 in zmm registers (n % 32 == 0, q in the 32-value even/odd order): half the loads,
+   widening ops and FMAs of the ymm loop, for CPUs with AVX-512. */
+static inline void qk_bf16_4x2_zmm(const float *q0, const float *q1, const uint16_t *k0, const uint16_t *k1,
+                                   const uint16_t *k2, const uint16_t *k3, int64_t n, float s0[4], float s1[4]) {
+    const __m512i odd = _mm512_set1_epi32((int)0xffff0000);
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+#define QK_KEY(kp, a, b)                                                                          \
+    do {                                                                                          \
+        const __m512i v = _mm512_loadu_si512((kp) + d);                                           \
+        const __m512 ke = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));                          \
+        const __m512 ko = _mm512_castsi512_ps(_mm512_and_si512(v, odd));                          \
+        a = _mm512_fmadd_ps(xo, ko, _mm512_fmadd_ps(xe, ke, a));                                  \
+        b = _mm512_fmadd_ps(yo, ko, _mm512_fmadd_ps(ye, ke, b));                                  \
+    } while (0)
+    for (int64_t d = 0; d < n; d += 32) {
+        const __m512 xe = _mm512_loadu_ps(q0 + d), xo = _mm512_loadu_ps(q0 + d + 16);
+        const __m512 ye = _mm512_loadu_ps(q1 + d), yo = _mm512_loadu_ps(q1 + d + 16);
+        QK_KEY(k0, a0, b0);
+        QK_KEY(k1, a1, b1);
+        QK_KEY(k2, a2, b2);
+        QK_KEY(k3, a3, b3);
+    }
+#undef QK_KEY
+    s0[0] = _mm512_reduce_add_ps(a0), s0[1] = _mm512_reduce_add_ps(a1), s0[2] = _mm512_reduce_add_ps(a2);
+    s0[3] = _mm512_reduce_add_ps(a3);
+    s1[0] = _mm512_reduce_add_ps(b0), s1[1] = _mm512_reduce_add_ps(b1), s1[2] = _mm512_reduce_add_ps(b2);
+    s1[3] = _mm512_reduce_add_ps(b3);
+}
+#else
+#define DECODE_ZMM 0
+#endif
+
 /* The cache rows (first KV head kv0) of keys j0 .. j0+3 of a sequence; past its last key, the last
    one again, so a block of four is always whole. */
 static inline void four_rows(const uint16_t *cache, const int32_t *table, int64_t j0, int64_t nkeys,
@@ -341,7 +375,7 @@ static inline void four_rows(const uint16_t *cache, const int32_t *table, int64_
    heads (qs, scaled) and keys 0..nkeys-1, four keys and two heads at a time. */
 static void decode_scores_bf16(const float *qs, const uint16_t *k_cache, const int32_t *table, int64_t nkeys,
                                int64_t block_size, int64_t num_kv_heads, int64_t kv0, int64_t kv_per_item,
-                               int64_t G, int64_t head_dim, float *scores, int64_t max_keys) {
+                               int64_t G, int64_t head_dim, float *scores, int64_t max_keys, int zmm) {
 #if defined(__AVX2__) && defined(__FMA__)
     for (int64_t j0 = 0; j0 < nkeys; j0 += 4) {
         const uint16_t *rows[4];  /* scores of a short block's repeated last key are dropped */
@@ -352,6 +386,12 @@ static void decode_scores_bf16(const float *qs, const uint16_t *k_cache, const i
             for (int64_t g = 0; g < G; g += 2) {
                 const int64_t r0 = h * G + g, r1 = g + 1 < G ? r0 + 1 : r0;
                 float s0[4], s1[4];
+#if DECODE_ZMM
+                if (zmm)
+                    qk_bf16_4x2_zmm(qs + r0 * head_dim, qs + r1 * head_dim, rows[0] + koff, rows[1] + koff,
+                                    rows[2] + koff, rows[3] + koff, head_dim, s0, s1);
+                else
+#endif
                 qk_bf16_4x2(qs + r0 * head_dim, qs + r1 * head_dim, rows[0] + koff, rows[1] + koff,
                             rows[2] + koff, rows[3] + koff, head_dim, s0, s1);
                 for (int64_t i = 0; i < nk; i++) {
@@ -363,7 +403,7 @@ static void decode_scores_bf16(const float *qs, const uint16_t *k_cache, const i
     }
 #else
     (void)qs; (void)k_cache; (void)table; (void)nkeys; (void)block_size; (void)num_kv_heads; (void)kv0;
-    (void)kv_per_item; (void)G; (void)head_dim; (void)scores; (void)max_keys;
+    (void)kv_per_item; (void)G; (void)head_dim; (void)scores; (void)max_keys; (void)zmm;
 #endif
 }
 
@@ -372,14 +412,41 @@ static void decode_scores_bf16(const float *qs, const uint16_t *k_cache, const i
    acc in even/odd order (eo_index), as the shift and the mask widen a 16-value chunk. */
 static void decode_values_bf16(const float *scores, const uint16_t *v_cache, const int32_t *table, int64_t nkeys,
                                int64_t block_size, int64_t num_kv_heads, int64_t kv0, int64_t kv_per_item,
-                               int64_t G, int64_t head_dim, float *acc, int64_t max_keys) {
+                               int64_t G, int64_t head_dim, float *acc, int64_t max_keys, int zmm) {
 #if defined(__AVX2__) && defined(__FMA__)
     const __m256i odd = _mm256_set1_epi32((int)0xffff0000);
     for (int64_t j0 = 0; j0 < nkeys; j0 += 4) {
         const uint16_t *rows[4];  /* a short block's repeated last row gets weight 0 */
         const int64_t nk = nkeys - j0 < 4 ? nkeys - j0 : 4;
         four_rows(v_cache, table, j0, nkeys, block_size, num_kv_heads, kv0, head_dim, rows);
-        for (int64_t h = 0; h < kv_per_item; h++) {
+        for (int64_t h = 0; zmm && h < kv_per_item; h++) {
+#if DECODE_ZMM  /* the same, 32 values of a row at a time (acc in the 32-value even/odd order) */
+            const __m512i odd16 = _mm512_set1_epi32((int)0xffff0000);
+            const int64_t voff = h * head_dim;
+            for (int64_t d = 0; d < head_dim; d += 32) {
+                const __m512i u0 = _mm512_loadu_si512(rows[0] + voff + d), u1 = _mm512_loadu_si512(rows[1] + voff + d);
+                const __m512i u2 = _mm512_loadu_si512(rows[2] + voff + d), u3 = _mm512_loadu_si512(rows[3] + voff + d);
+                for (int64_t g = 0; g < G; g++) {
+                    const int64_t r = h * G + g;
+                    const float *p = scores + r * max_keys + j0;
+                    const __m512 p0 = _mm512_set1_ps(p[0]), p1 = _mm512_set1_ps(nk > 1 ? p[1] : 0.0f);
+                    const __m512 p2 = _mm512_set1_ps(nk > 2 ? p[2] : 0.0f), p3 = _mm512_set1_ps(nk > 3 ? p[3] : 0.0f);
+                    float *a = acc + r * head_dim + d;
+                    __m512 e = _mm512_loadu_ps(a), o = _mm512_loadu_ps(a + 16);
+#define PV_ROW(u, pk)                                                                             \
+    e = _mm512_fmadd_ps(pk, _mm512_castsi512_ps(_mm512_slli_epi32(u, 16)), e);                    \
+    o = _mm512_fmadd_ps(pk, _mm512_castsi512_ps(_mm512_and_si512(u, odd16)), o)
+                    PV_ROW(u0, p0);
+                    PV_ROW(u1, p1);
+                    PV_ROW(u2, p2);
+                    PV_ROW(u3, p3);
+#undef PV_ROW
+                    _mm512_storeu_ps(a, e), _mm512_storeu_ps(a + 16, o);
+                }
+            }
+#endif
+        }
+        for (int64_t h = 0; !zmm && h < kv_per_item; h++) {
             const int64_t voff = h * head_dim;
             for (int64_t d = 0; d < head_dim; d += 16) {
                 const __m256i u0 = _mm256_loadu_si256((const __m256i *)(rows[0] + voff + d));
@@ -408,13 +475,15 @@ static void decode_values_bf16(const float *scores, const uint16_t *v_cache, con
     }
 #else
     (void)scores; (void)v_cache; (void)table; (void)nkeys; (void)block_size; (void)num_kv_heads; (void)kv0;
-    (void)kv_per_item; (void)G; (void)head_dim; (void)acc; (void)max_keys;
+    (void)kv_per_item; (void)G; (void)head_dim; (void)acc; (void)max_keys; (void)zmm;
 #endif
 }
 
 /* Where element d of a head sits in the even/odd order of the bf16 decode loops: in each chunk of
-   16, the even elements first, then the odd ones. */
-static inline int64_t eo_index(int64_t d) { return (d & ~(int64_t)15) + (d & 1) * 8 + ((d & 15) >> 1); }
+   16 (ymm) or 32 (zmm) values, the even elements first, then the odd ones. */
+static inline int64_t eo_index(int64_t d, int64_t chunk) {
+    return (d & ~(chunk - 1)) + (d & 1) * (chunk / 2) + ((d & (chunk - 1)) >> 1);
+}
 
 /* Decode: one query token per sequence. A work item is (sequence, group of kv_per_item KV heads):
    it reads each key's kv_per_item * head_dim values, contiguous in the cache, so memory is walked
@@ -448,6 +517,9 @@ int paged_decode_f32(
 #else
     const int bf16_in_registers = 0;
 #endif
+    /* AVX-512: the bf16 loops in zmm registers where a head is whole 32-value chunks */
+    const int zmm = DECODE_ZMM && bf16_in_registers && head_dim % 32 == 0;
+    const int64_t chunk = zmm ? 32 : 16;
     int failed = 0;
 
 #pragma omp parallel num_threads(num_threads)
@@ -472,12 +544,12 @@ int paged_decode_f32(
                 const int64_t q0 = (seq * num_heads + kv0 * G) * head_dim;
                 for (int64_t r = 0, x = 0; r < rows; r++)  /* even/odd order for the bf16 loops */
                     for (int64_t d = 0; d < head_dim; d++, x++)
-                        qs[r * head_dim + (bf16_in_registers ? eo_index(d) : d)] =
+                        qs[r * head_dim + (bf16_in_registers ? eo_index(d, chunk) : d)] =
                             (io_bf16 ? bf16_to_f32(((const uint16_t *)q)[q0 + x]) : ((const float *)q)[q0 + x]) * scale;
 
                 if (bf16_in_registers) {
                     decode_scores_bf16(qs, (const uint16_t *)k_cache, table, nkeys, block_size, num_kv_heads, kv0,
-                                       kv_per_item, G, head_dim, scores, max_keys);
+                                       kv_per_item, G, head_dim, scores, max_keys, zmm);
                 } else {
                     for (int64_t j = 0, b = 0, off = 0; j < nkeys; j++) {
                         const int64_t slot = (int64_t)table[b] * block_size + off;
@@ -497,7 +569,7 @@ int paged_decode_f32(
                 memset(acc, 0, sizeof(float) * (size_t)(rows * head_dim));
                 if (bf16_in_registers)
                     decode_values_bf16(scores, (const uint16_t *)v_cache, table, nkeys, block_size, num_kv_heads,
-                                       kv0, kv_per_item, G, head_dim, acc, max_keys);
+                                       kv0, kv_per_item, G, head_dim, acc, max_keys, zmm);
                 for (int64_t j0 = 0, b = 0, off = 0; !bf16_in_registers && j0 < nkeys; j0 += VB) {
                     const int64_t vb = nkeys - j0 < VB ? nkeys - j0 : VB;
                     for (int64_t k = 0; k < VB; k++) {
@@ -526,10 +598,10 @@ int paged_decode_f32(
                     if (io_bf16) {
                         uint16_t *o = (uint16_t *)out + q0 + r * head_dim;
                         for (int64_t d = 0; d < head_dim; d++)
-                            o[d] = f32_to_bf16(a[bf16_in_registers ? eo_index(d) : d] * inv_sum[r]);
+                            o[d] = f32_to_bf16(a[bf16_in_registers ? eo_index(d, chunk) : d] * inv_sum[r]);
                     } else {
                         float *o = (float *)out + q0 + r * head_dim;
-                        for (int64_t d = 0; d < head_dim; d++) o[d] = a[bf16_in_registers ? eo_index(d) : d] * inv_sum[r];
+                        for (int64_t d = 0; d < head_dim; d++) o[d] = a[bf16_in_registers ? eo_index(d, chunk) : d] * inv_sum[r];
                     }
                 }
             }
