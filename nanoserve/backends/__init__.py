@@ -26,11 +26,12 @@ BACKEND_NAMES = ("auto", "cpu", "torch", "flash_attn", "triton")  # or a Backend
 
 def select_backend(
     device: torch.device, dtype: torch.dtype, requested: str | type, block_size: int | None, head_dim: int,
-    batch_invariant: bool = False, quantization: str | None = None,
+    batch_invariant: bool = False, quantization: str | None = None, prefill_only: bool = False,
 ) -> Backend:
     """The backend for this device: `requested` if it can run here, else a clear ValueError.
     batch_invariant: only kernels whose per-row results do not depend on the batch (CPU).
-    quantization (Config.quantization) runs on the CPU backend only."""
+    quantization (Config.quantization) runs on the CPU backend only. prefill_only: an engine without
+    decode steps (runner="pooling"), whose GEMMs all see hundreds of rows (CPU)."""
     if quantization is not None and (device.type != "cpu" or requested not in ("auto", "cpu")):
         raise ValueError(f"quantization={quantization!r} runs on the CPU backend only (device='cpu', "
                          f"attention_backend 'auto' or 'cpu'); got device {device.type}, "
@@ -44,13 +45,13 @@ def select_backend(
     elif device.type == "cuda":
         backend = _select_cuda(device, dtype, requested, block_size, head_dim)
     else:
-        backend = _select_cpu(device, dtype, requested, batch_invariant, quantization)
+        backend = _select_cpu(device, dtype, requested, batch_invariant, quantization, prefill_only)
     logger.info("backend: %s", backend.describe())
     return backend
 
 
 def _select_cpu(device: torch.device, dtype: torch.dtype, requested: str, batch_invariant: bool = False,
-                quantization: str | None = None) -> Backend:
+                quantization: str | None = None, prefill_only: bool = False) -> Backend:
     if requested in ("triton", "flash_attn"):
         raise ValueError(f"attention_backend={requested!r} needs CUDA; on CPU 'cpu' (the default) or 'torch' run")
     if requested == "torch":
@@ -60,6 +61,8 @@ def _select_cpu(device: torch.device, dtype: torch.dtype, requested: str, batch_
     options = CPUOptions.from_env()
     if batch_invariant:
         options = dataclasses.replace(options, batch_invariant=True)
+    if prefill_only:
+        options = dataclasses.replace(options, prefill_only=True)
     return CPUBackend(device, dtype, options, quantization)
 
 

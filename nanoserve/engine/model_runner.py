@@ -70,6 +70,7 @@ class ModelRunner:
             device, self.dtype, config.attention_backend, config.kvcache_block_size, head_dim_of(cfg),
             batch_invariant=config.batch_invariant,
             quantization=LOAD_TIME if config.quantization == LOAD_TIME else None,  # a checkpoint's format: any backend
+            prefill_only=config.pooling is not None,
         )
         self.kv_spec = KVCacheSpec(config.kvcache_block_size or self.backend.preferred_block_size, config.max_model_len)
         self.sampler = Sampler()

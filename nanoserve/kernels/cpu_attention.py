@@ -140,6 +140,51 @@ def paged_attention_decode_cpu(
     return out if out.dtype == dtype else out.to(dtype)  # a no-op .to() costs ~3 us
 
 
+PREFILL_DPBF16_MAX_HEAD_DIM = 512  # cpu_dpbf16.c's PA_MAX_D
+
+
+def prefill_dpbf16_supported(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Does cpu_dpbf16.c's prefill attention take this step (AVX512-BF16, bf16 queries and cache, a head
+    of whole 16-value chunks)?"""
+    head_dim = q.shape[-1]
+    return (bool(lib.prefill_attention_dpbf16_supported()) and q.dtype == torch.bfloat16
+            and k_cache.dtype == torch.bfloat16 and head_dim % 16 == 0 and head_dim <= PREFILL_DPBF16_MAX_HEAD_DIM)
+
+
+def prefill_attention_dpbf16(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim] bf16
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] bf16
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1]
+    context_lens: torch.Tensor,  # [num_seqs]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks]
+    scale: float,
+) -> torch.Tensor:
+    """Causal prefill attention with vdpbf16ps (cpu_dpbf16.c): bf16 dot products, float32 softmax, P
+    rounded to bf16 for P . V as flash-attention does; bf16 out. Long query runs' path on AVX512-BF16
+    CPUs, where SDPA per sequence widened the cache to float32 first."""
+    _, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    _check_cache(k_cache, v_cache)
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    bt = block_tables.to(torch.int32).contiguous()
+    cu, lens = cu_seqlens_q.to(torch.int32).contiguous(), context_lens.to(torch.int32).contiguous()
+    with traced("nanoserve::cpu_prefill_attention_dpbf16"):
+        err = lib.prefill_attention_dpbf16(
+            q.data_ptr(), out.data_ptr(), 1, k_cache.data_ptr(), v_cache.data_ptr(), bt.data_ptr(), bt.shape[1],
+            cu.data_ptr(), lens.data_ptr(), lens.shape[0], num_heads, num_kv_heads, head_dim, block_size, scale,
+            torch.get_num_threads(),
+        )
+    if err == 1:
+        raise ValueError(f"the dpbf16 prefill attention needs AVX512-BF16 and head_dim a multiple of 16 up to "
+                         f"{PREFILL_DPBF16_MAX_HEAD_DIM}, got {head_dim}")
+    if err:
+        raise MemoryError("the CPU attention kernel could not allocate its scratch buffers")
+    return out
+
+
 def varlen_sdpa_per_sequence(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k_cache: torch.Tensor,

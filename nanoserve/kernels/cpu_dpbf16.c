@@ -13,6 +13,7 @@
  * inputs, 16 columns of two weights, one 64-byte operand. Activations: bf16 rows, rearranged per
  * tile of 16 rows into [tiles][Kp / 2][16] pairs so a tile reads them through one pointer.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -69,14 +70,15 @@ static void tile_rows(const uint16_t *x, int64_t M, int64_t K, int64_t Kp, uint3
 /* in cpu_int8.c: 16 float32 lanes rounded to bf16 as cpu_kernels.c's f32_to_bf16 */
 __m256i f32x16_to_bf16(__m512 v);
 
-/* A full tile's float32 sums of all its rows against one panel, into acc[16]: vdpbf16ps with each
+/* A full tile's float32 sums of its rows against `pairs` input pairs of one panel, added to acc[16]: vdpbf16ps with each
    row's input pair broadcast from memory ({1to16}), one instruction a row and pair, its accumulator
    tied to a register. Inlined into dp_tile, the intrinsic's destructive operand had GCC copy the
    sixteen accumulators around every step (85% of vdpbf16ps's peak at 256 rows). */
 static __attribute__((noinline)) void dp_full_tile(const uint16_t *panel, const uint32_t *xb, int64_t pairs,
                                                    __m512 *acc) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-    __m512 a8 = a0, a9 = a0, a10 = a0, a11 = a0, a12 = a0, a13 = a0, a14 = a0, a15 = a0;
+    __m512 a0 = acc[0], a1 = acc[1], a2 = acc[2], a3 = acc[3], a4 = acc[4], a5 = acc[5], a6 = acc[6], a7 = acc[7];
+    __m512 a8 = acc[8], a9 = acc[9], a10 = acc[10], a11 = acc[11], a12 = acc[12], a13 = acc[13], a14 = acc[14];
+    __m512 a15 = acc[15];
     for (int64_t k2 = 0; k2 < pairs; k2++, panel += 2 * DP_PANEL, xb += DP_ROWS) {
         _mm_prefetch((const char *)panel + DP_PREFETCH, _MM_HINT_T0);
         const __m512 wv = _mm512_castsi512_ps(_mm512_loadu_si512(panel));
@@ -129,6 +131,7 @@ static inline __attribute__((always_inline)) void dp_tile(const int mb, const ui
         a6 = _mm512_add_ps(a6, a14), a7 = _mm512_add_ps(a7, a15);
     } else if (mb == DP_ROWS) {
         __m512 acc[DP_ROWS];
+        for (int r = 0; r < DP_ROWS; r++) acc[r] = _mm512_setzero_ps();
         dp_full_tile(panel, xb, pairs, acc);
         a0 = acc[0], a1 = acc[1], a2 = acc[2], a3 = acc[3], a4 = acc[4], a5 = acc[5], a6 = acc[6], a7 = acc[7];
         a8 = acc[8], a9 = acc[9], a10 = acc[10], a11 = acc[11], a12 = acc[12], a13 = acc[13], a14 = acc[14];
@@ -202,6 +205,244 @@ int dpbf16_gemm(const uint16_t *x, int64_t M, int64_t K, const uint16_t *panels,
     return 0;
 #else
     (void)x; (void)M; (void)K; (void)panels; (void)N; (void)bias; (void)y; (void)y_bf16; (void)num_threads;
+    return 1;
+#endif
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Prefill attention over a bf16 paged cache with vdpbf16ps (CPUs with AVX512-BF16): long query    */
+/* runs (a prompt's prefill, a pooling model's documents), where the float32 SDPA per sequence     */
+/* widened every key and value row and ran the FMA units at a tenth of this. Its reference is      */
+/* paged_attention_varlen_torch (nanoserve/layers/attention ops), tests/test_cpu_kernels.py.       */
+/*                                                                                                 */
+/* A work item is 16 query tokens of one sequence and the query heads of one KV head: the tokens   */
+/* are the 16 lanes of every score vector. Keys come 16 at a time, copied out of the cache into a   */
+/* contiguous chunk once for those heads: S^T[j] (a                                                  */
+/* vector over the 16 queries) = sum over input pairs of the queries' pair times key j's pair,     */
+/* broadcast; the online softmax is then lane-wise (each query its own max and sum), with no       */
+/* horizontal reduction; O[r] (16 values of d a vector) += P[r][j] broadcast . V[j] (float32 FMAs  */
+/* over the widened value rows: P is not rounded).                                                  */
+#if DPBF16
+#define PA_ROWS 16 /* query tokens per work item */
+#define PA_KEYS 16 /* keys per chunk */
+/* Row stride of the chunk's key and value copies, the largest head_dim this kernel takes: a constant,
+   so that each of the 16 keys' broadcasts is one fixed offset from one pointer. */
+#define PA_MAX_D 512
+
+/* e^x lane-wise, x <= 0 (scores minus their max): exp256_ps of cpu_kernels.c in zmm registers */
+static inline __m512 exp512_ps(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+typedef struct {    /* per thread; G query heads share a KV head */
+    uint32_t *qp;  /* [G][D / 2][PA_ROWS] the queries' input pairs */
+    uint16_t *kc;  /* [PA_KEYS][PA_MAX_D] the chunk's key rows */
+    float *vf;     /* [PA_KEYS][PA_MAX_D] the chunk's value rows, float32 */
+    float *ot;     /* [G][PA_ROWS][D] the output rows */
+    float *m, *l;  /* [G][PA_ROWS] each query's running max and sum */
+} PrefillScratch;
+
+/* S^T for one chunk: s[j] = the 16 queries' scores against key j, unscaled */
+static __attribute__((noinline)) void chunk_scores(const uint32_t *qp, const uint16_t *kc, int64_t D, __m512 s[PA_KEYS]) {
+    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0, s6 = s0, s7 = s0;
+    __m512 s8 = s0, s9 = s0, s10 = s0, s11 = s0, s12 = s0, s13 = s0, s14 = s0, s15 = s0;
+    const uint32_t *k = (const uint32_t *)kc;  /* key j's pair p at k[j * PA_MAX_D / 2 + p] */
+    for (int64_t p = 0; p < D / 2; p++, qp += PA_ROWS, k++) {
+        const __m512 qv = _mm512_castsi512_ps(_mm512_loadu_si512(qp));
+#define PA_DOT(j) __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(s##j) : "v"(qv), "m"(k[(j) * (PA_MAX_D / 2)]));
+        PA_DOT(0) PA_DOT(1) PA_DOT(2) PA_DOT(3) PA_DOT(4) PA_DOT(5) PA_DOT(6) PA_DOT(7)
+        PA_DOT(8) PA_DOT(9) PA_DOT(10) PA_DOT(11) PA_DOT(12) PA_DOT(13) PA_DOT(14) PA_DOT(15)
+#undef PA_DOT
+    }
+    s[0] = s0, s[1] = s1, s[2] = s2, s[3] = s3, s[4] = s4, s[5] = s5, s[6] = s6, s[7] = s7;
+    s[8] = s8, s[9] = s9, s[10] = s10, s[11] = s11, s[12] = s12, s[13] = s13, s[14] = s14, s[15] = s15;
+}
+
+/* O[r] = O[r] * alpha[r] + sum over the chunk's keys j of P[r][j] . V[j], 16 values of d at a time:
+   the 16 rows' sums in registers, each key's (widened) V vector loaded once for all of them, each
+   row's P broadcast from memory (p[j][r]). P stays float32, as the reference's softmax leaves it:
+   rounded to bf16 for vdpbf16ps it moved greedy tokens off HF's bf16 model where the top two
+   logits were 0.03 apart. */
+static __attribute__((noinline)) void chunk_values(float *ot, const float *vf, const float *p, const float *alpha,
+                                                   int64_t D) {
+    for (int64_t d = 0; d < D; d += 16) {
+        float *o = ot + d;
+#define PA_LOAD(r) __m512 o##r = _mm512_mul_ps(_mm512_loadu_ps(o + (r) * D), _mm512_set1_ps(alpha[r]));
+        PA_LOAD(0) PA_LOAD(1) PA_LOAD(2) PA_LOAD(3) PA_LOAD(4) PA_LOAD(5) PA_LOAD(6) PA_LOAD(7)
+        PA_LOAD(8) PA_LOAD(9) PA_LOAD(10) PA_LOAD(11) PA_LOAD(12) PA_LOAD(13) PA_LOAD(14) PA_LOAD(15)
+#undef PA_LOAD
+        for (int j = 0; j < PA_KEYS; j++) {
+            const __m512 v = _mm512_loadu_ps(vf + j * PA_MAX_D + d);
+            const float *pj = p + j * PA_ROWS;
+#define PA_PV(r) __asm__("vfmadd231ps %2%{1to16%}, %1, %0" : "+v"(o##r) : "v"(v), "m"(pj[r]));
+            PA_PV(0) PA_PV(1) PA_PV(2) PA_PV(3) PA_PV(4) PA_PV(5) PA_PV(6) PA_PV(7)
+            PA_PV(8) PA_PV(9) PA_PV(10) PA_PV(11) PA_PV(12) PA_PV(13) PA_PV(14) PA_PV(15)
+#undef PA_PV
+        }
+#define PA_STORE(r) _mm512_storeu_ps(o + (r) * D, o##r);
+        PA_STORE(0) PA_STORE(1) PA_STORE(2) PA_STORE(3) PA_STORE(4) PA_STORE(5) PA_STORE(6) PA_STORE(7)
+        PA_STORE(8) PA_STORE(9) PA_STORE(10) PA_STORE(11) PA_STORE(12) PA_STORE(13) PA_STORE(14) PA_STORE(15)
+#undef PA_STORE
+    }
+}
+
+/* Query tokens t0 .. t0+nq-1 (positions pos0 ..; nq <= PA_ROWS) of one sequence and the G query
+   heads of KV head kvh, against its keys 0 .. pos0+nq-1 through `table`: each chunk's keys and value
+   pairs copied out once for the G heads (each head its own queries, sums, max and output rows). */
+static void prefill_tile(const uint16_t *q, void *out, int out_bf16, const uint16_t *k_cache, const uint16_t *v_cache,
+                         const int32_t *table, int64_t block_size, int64_t H, int64_t Hkv, int64_t D, int64_t t0,
+                         int64_t nq, int64_t pos0, int64_t kvh, float scale, PrefillScratch *sc) {
+    const int64_t G = H / Hkv;
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t h = kvh * G + g;
+        uint32_t *qp = sc->qp + g * (D / 2) * PA_ROWS;
+        for (int64_t r = 0; r < PA_ROWS; r++) {
+            const uint32_t *row = (const uint32_t *)(q + ((t0 + r) * H + h) * D);
+            for (int64_t p = 0; p < D / 2; p++) qp[p * PA_ROWS + r] = r < nq ? row[p] : 0;
+        }
+    }
+    memset(sc->ot, 0, sizeof(float) * (size_t)(G * PA_ROWS * D));
+    /* each lane's position; lanes past nq repeat the last query (finite, never written out) */
+    int32_t pos[PA_ROWS];
+    for (int64_t r = 0; r < PA_ROWS; r++) pos[r] = (int32_t)(pos0 + (r < nq ? r : nq - 1));
+    const __m512i posv = _mm512_loadu_si512(pos);
+    const __m512 scalev = _mm512_set1_ps(scale), neg_inf = _mm512_set1_ps(-INFINITY);
+    for (int64_t g = 0; g < G; g++) {
+        _mm512_storeu_ps(sc->m + g * PA_ROWS, neg_inf);
+        _mm512_storeu_ps(sc->l + g * PA_ROWS, _mm512_setzero_ps());
+    }
+    const int64_t nkeys = pos0 + nq;
+    for (int64_t j0 = 0; j0 < nkeys; j0 += PA_KEYS) {
+        const int64_t nk = nkeys - j0 < PA_KEYS ? nkeys - j0 : PA_KEYS;
+        for (int64_t j = 0; j < PA_KEYS; j++) {
+            uint16_t *kd = sc->kc + j * PA_MAX_D;
+            const uint16_t *vr = NULL, *kr = NULL;
+            if (j < nk) {
+                const int64_t key = j0 + j, slot = (int64_t)table[key / block_size] * block_size + key % block_size;
+                kr = k_cache + (slot * Hkv + kvh) * D, vr = v_cache + (slot * Hkv + kvh) * D;
+            }
+            if (kr) memcpy(kd, kr, sizeof(uint16_t) * (size_t)D);
+            else memset(kd, 0, sizeof(uint16_t) * (size_t)D);
+            /* V rows widened to float32 (a bf16 value is a float32's high half) */
+            float *vd = sc->vf + j * PA_MAX_D;
+            for (int64_t d = 0; d < D; d += 16) {
+                const __m512i v = vr ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vr + d)))
+                                     : _mm512_setzero_si512();
+                _mm512_storeu_ps(vd + d, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+            }
+        }
+        __mmask16 visible[PA_KEYS];
+        for (int64_t j = 0; j < PA_KEYS; j++)
+            visible[j] = j < nk ? _mm512_cmpge_epi32_mask(posv, _mm512_set1_epi32((int)(j0 + j))) : 0;
+        for (int64_t g = 0; g < G; g++) {
+            __m512 s[PA_KEYS];
+            chunk_scores(sc->qp + g * (D / 2) * PA_ROWS, sc->kc, D, s);
+            const __m512 m = _mm512_loadu_ps(sc->m + g * PA_ROWS);
+            __m512 mnew = m;
+            for (int64_t j = 0; j < PA_KEYS; j++) {
+                s[j] = _mm512_mask_mul_ps(neg_inf, visible[j], s[j], scalev);
+                mnew = _mm512_max_ps(mnew, s[j]);
+            }
+            const __m512 alpha = exp512_ps(_mm512_sub_ps(m, mnew));  /* m = -inf at first: ~0, times zeros */
+            __m512 sum = _mm512_setzero_ps();
+            for (int64_t j = 0; j < PA_KEYS; j++) {
+                s[j] = _mm512_maskz_mov_ps(visible[j], exp512_ps(_mm512_sub_ps(s[j], mnew)));
+                sum = _mm512_add_ps(sum, s[j]);
+            }
+            _mm512_storeu_ps(sc->l + g * PA_ROWS, _mm512_fmadd_ps(_mm512_loadu_ps(sc->l + g * PA_ROWS), alpha, sum));
+            _mm512_storeu_ps(sc->m + g * PA_ROWS, mnew);
+            float p[PA_KEYS][PA_ROWS], alphas[PA_ROWS];  /* p[j][r] = P[r][j] */
+            for (int64_t j = 0; j < PA_KEYS; j++) _mm512_storeu_ps(p[j], s[j]);
+            _mm512_storeu_ps(alphas, alpha);
+            chunk_values(sc->ot + g * PA_ROWS * D, sc->vf, &p[0][0], alphas, D);
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t h = kvh * G + g;
+        float inv[PA_ROWS];
+        _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_loadu_ps(sc->l + g * PA_ROWS)));
+        for (int64_t r = 0; r < nq; r++) {
+            const int64_t at = ((t0 + r) * H + h) * D;
+            const float *o = sc->ot + (g * PA_ROWS + r) * D;
+            for (int64_t d = 0; d < D; d += 16) {
+                const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(o + d), _mm512_set1_ps(inv[r]));
+                if (out_bf16) _mm256_storeu_si256((__m256i *)((uint16_t *)out + at + d), f32x16_to_bf16(v));
+                else _mm512_storeu_ps((float *)out + at + d, v);
+            }
+        }
+    }
+}
+#endif
+
+int prefill_attention_dpbf16_supported(void) { return DPBF16; }
+
+/* Causal attention of every prefill query token against its sequence's cached keys (its own among
+   them, already stored): q [T, H, D] bf16, out [T, H, D] bf16 (out_bf16) or float32, k/v cache
+   [blocks, block_size, Hkv, D] bf16; sequence s's query tokens cu_seqlens_q[s] .. cu_seqlens_q[s+1]-1
+   are its last ones (context_lens[s] keys in all). D a multiple of 16, at most PA_MAX_D. Returns 1
+   without AVX512-BF16 (or for another D), 2 without memory. */
+int prefill_attention_dpbf16(const uint16_t *q, void *out, int out_bf16, const uint16_t *k_cache,
+                             const uint16_t *v_cache, const int32_t *block_tables, int64_t bt_stride,
+                             const int32_t *cu_seqlens_q, const int32_t *context_lens, int64_t num_seqs, int64_t H,
+                             int64_t Hkv, int64_t D, int64_t block_size, float scale, int num_threads) {
+#if DPBF16
+    if (D % 16 || D > PA_MAX_D) return 1;
+    int64_t tiles = 0;
+    for (int64_t s = 0; s < num_seqs; s++) tiles += (cu_seqlens_q[s + 1] - cu_seqlens_q[s] + PA_ROWS - 1) / PA_ROWS;
+    int64_t *tile_seq = malloc(sizeof(int64_t) * (size_t)(tiles > 0 ? tiles : 1));
+    if (tile_seq == NULL) return 2;
+    /* the longest tiles (last in their sequence, most keys) first: dynamic scheduling then ends evenly */
+    int64_t *tile_t0 = malloc(sizeof(int64_t) * (size_t)(tiles > 0 ? tiles : 1));
+    if (tile_t0 == NULL) { free(tile_seq); return 2; }
+    int64_t n = 0;
+    for (int64_t s = 0; s < num_seqs; s++)
+        for (int64_t t = cu_seqlens_q[s]; t < cu_seqlens_q[s + 1]; t += PA_ROWS) tile_seq[n] = s, tile_t0[n] = t, n++;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int64_t G = H / Hkv;
+        PrefillScratch sc = {
+            malloc(sizeof(uint32_t) * (size_t)(G * D / 2 * PA_ROWS)), malloc(sizeof(uint16_t) * (size_t)(PA_KEYS * PA_MAX_D)),
+            malloc(sizeof(float) * (size_t)(PA_KEYS * PA_MAX_D)), malloc(sizeof(float) * (size_t)(G * D * PA_ROWS)),
+            malloc(sizeof(float) * (size_t)(G * PA_ROWS)), malloc(sizeof(float) * (size_t)(G * PA_ROWS)),
+        };
+        if (!sc.qp || !sc.kc || !sc.vf || !sc.ot || !sc.m || !sc.l) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1) collapse(2)
+        for (int64_t i = 0; i < tiles; i++) {
+            for (int64_t kvh = 0; kvh < Hkv; kvh++) {
+                if (failed) continue;
+                const int64_t it = tiles - 1 - i;  /* later tiles see more keys: start with them */
+                const int64_t s = tile_seq[it], t0 = tile_t0[it], end = cu_seqlens_q[s + 1];
+                const int64_t nq = end - t0 < PA_ROWS ? end - t0 : PA_ROWS;
+                const int64_t pos0 = context_lens[s] - (end - cu_seqlens_q[s]) + (t0 - cu_seqlens_q[s]);
+                prefill_tile(q, out, out_bf16, k_cache, v_cache, block_tables + s * bt_stride, block_size, H, Hkv, D,
+                             t0, nq, pos0, kvh, scale, &sc);
+            }
+        }
+        free(sc.qp), free(sc.kc), free(sc.vf), free(sc.ot), free(sc.m), free(sc.l);
+    }
+    free(tile_seq), free(tile_t0);
+    return failed ? 2 : 0;
+#else
+    (void)q; (void)out; (void)out_bf16; (void)k_cache; (void)v_cache; (void)block_tables; (void)bt_stride;
+    (void)cu_seqlens_q; (void)context_lens; (void)num_seqs; (void)H; (void)Hkv; (void)D; (void)block_size;
+    (void)scale; (void)num_threads;
     return 1;
 #endif
 }
