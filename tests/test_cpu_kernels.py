@@ -78,7 +78,7 @@ def test_decode_kernel_splits_kv_heads_for_few_sequences():
 
 
 @needs_kernel
-@pytest.mark.parametrize("name", ["gqa2_mixed", "gqa3_block6_d24", "qwen3_shape_multi_tile"])
+@pytest.mark.parametrize("name", ["gqa2_mixed", "gqa3_block6_d24", "qwen3_shape_multi_tile", "gqa3_d64"])
 def test_decode_kernel_bf16_io_is_the_float32_result_rounded(name):
     # bf16 q/out are read and written inside the kernel: bit for bit the float32 call's output
     # rounded to bf16 (what the conversions around the call used to do).

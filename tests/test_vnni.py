@@ -21,7 +21,9 @@ ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 65, 257, 300]
 # (N, K, group): N not a multiple of the 16-column panel, K not a multiple of the 32-input block,
 # per channel (None) and groups of whole blocks.
 SHAPES = [(101, 64, None), (35, 101, None), (16, 3, None), (1, 130, None), (40, 1000, None), (33, 256, 64),
-          (20, 160, 32), (40, 200, 32)]  # the last: groups that do not divide K
+          (20, 160, 32), (40, 200, 32),  # groups that do not divide K
+          (33, 200, 64),  # two-block scale runs, the last group partial
+          (20, 288, 96)]  # three blocks a group: one scale per block (a run never spans two groups)
 
 
 def _case(rows: int, n: int, k: int, seed: int):

@@ -19,6 +19,7 @@
 #include <string.h>
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
+#include "cpu_simd.h"
 #define DPBF16 1
 #else
 #define DPBF16 0
@@ -67,8 +68,6 @@ static void tile_rows(const uint16_t *x, int64_t M, int64_t K, int64_t Kp, uint3
     }
 }
 
-/* in cpu_int8.c: 16 float32 lanes rounded to bf16 as cpu_kernels.c's f32_to_bf16 */
-__m256i f32x16_to_bf16(__m512 v);
 
 /* A full tile's float32 sums of its rows against `pairs` input pairs of one panel, added to acc[16]: vdpbf16ps with each
    row's input pair broadcast from memory ({1to16}), one instruction a row and pair, its accumulator
@@ -228,24 +227,6 @@ int dpbf16_gemm(const uint16_t *x, int64_t M, int64_t K, const uint16_t *panels,
 /* Row stride of the chunk's key and value copies, the largest head_dim this kernel takes: a constant,
    so that each of the 16 keys' broadcasts is one fixed offset from one pointer. */
 #define PA_MAX_D 512
-
-/* e^x lane-wise, x <= 0 (scores minus their max): exp256_ps of cpu_kernels.c in zmm registers */
-static inline __m512 exp512_ps(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
 
 typedef struct {    /* per thread; G query heads share a KV head */
     uint32_t *qp;  /* [G][D / 2][PA_ROWS] the queries' input pairs */

@@ -31,6 +31,7 @@
 #include <string.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+#include "cpu_simd.h"
 #endif
 
 /* in cpu_kernels.c: bf16 activations in and out around the float32 kernels (IO_* flags) */
@@ -54,6 +55,7 @@ void bf16_io_end(const void *x, void *y, int64_t M, int64_t N, int flags, const 
 #define I8_PANEL 16
 #ifndef I8_ROW_BLOCK
 #define I8_ROW_BLOCK 256 /* rows of x per pass over the weights, as in the bf16 panel GEMM */
+_Static_assert(I8_ROW_BLOCK % 16 == 0, "the VNNI tiles of 16 rows must not straddle two row blocks");
 #endif
 
 int int8_gemm_supported(void) {
@@ -510,7 +512,8 @@ int int4_gemm_w4a16(const void *x, int64_t M, int64_t K, const int8_t *panels, c
 /* xg[m, g] = sum over the group's blocks of xs * (sum of xq): the zero points' term, per group.  */
 /* (pack_int4 in cpu_int8.py writes this layout.)                                                  */
 
-#define W4_BLOCK 32 /* inputs per activation scale; groups are whole blocks (or one group spans K) */
+#define W4_BLOCK 32 /* inputs per quantization block (W4A8: per activation scale; the int8 VNNI kernel scales
+                       VNNI_SCALE_BLOCKS of them at once); groups are whole blocks (or one group spans K) */
 /* Bytes ahead of the panel read that each step prefetches, one cache line a step (the rate it
    reads them). At one row Zen 1's hardware prefetcher left the kernel at ~12 of 26 GB/s: ~8% faster. */
 #define W4_PREFETCH 1024
@@ -637,6 +640,7 @@ void quantize_blocks_int8(const float *x, int64_t M, int64_t K, int64_t Kp, int6
                           int64_t scale_blocks, int8_t *xq, float *xs, float *xg, int32_t *on, int32_t *ok, float *ov,
                           int num_threads) {
     const int64_t B = Kp / W4_BLOCK, G = (K + group - 1) / group, E = B * W4_MAX_OUTLIERS;
+    if (scale_blocks < 1) scale_blocks = 1;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (M * K > 32768)
     for (int64_t m = 0; m < M; m++) {
         const float *xr = x + m * K;
@@ -773,21 +777,10 @@ static inline __attribute__((always_inline)) void w4a8_tile(const int mb, const 
 /* already that operand: low nibbles inputs 0-3, high nibbles 4-7, columns 0-15 in order. int8   */
 /* weights are stored as u = q + 128 in [1, 255], [Kp / 4][16][4] bytes per panel, so that they  */
 /* too are the unsigned operand and the activations the broadcast signed one; the 128 is a zero   */
-/* point, offsets = -128 * s, through the W4A8 zero-point term (xg). Per block of 32 inputs and   */
-/* row, each float32 sum is updated by the same operations in the same order as the AVX2 W4A8     */
-/* tile's, so both give the same bits (int8 per channel scales once per column instead).           */
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-/* 16 float32 lanes rounded to bf16 as cpu_kernels.c's f32_to_bf16 (nearest even; NaN quiet); the
-   AVX-512 tiles here and in cpu_dpbf16.c write their bf16 rows with it. */
-__m256i f32x16_to_bf16(__m512 v) {
-    const __m512i u = _mm512_castps_si512(v), hi = _mm512_srli_epi32(u, 16);
-    const __m512i rounded = _mm512_srli_epi32(
-        _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(hi, _mm512_set1_epi32(1)))), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
-    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40))));
-}
-#endif
+/* point, offsets = -128 * s, through the W4A8 zero-point term (xg). 4-bit weights: per block of  */
+/* 32 inputs and row, each float32 sum is updated by the same operations in the same order as the */
+/* AVX2 W4A8 tile's, so both give the same bits. int8 weights: per run of VNNI_SCALE_BLOCKS blocks */
+/* (one activation scale), and per channel the column scale once at the end.                       */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define VNNI 1
@@ -829,8 +822,9 @@ static inline __m512 vnni_row_finish(__m512 acc, const int bits, int64_t m, cons
 }
 
 /* The quantized activations rearranged for the tiles: per tile of VNNI_ROWS rows and block of 32
-   inputs, the rows' 32 bytes one after another (xt [tiles][B][VNNI_ROWS][32]), and their block
-   scales (xst [tiles][B][VNNI_ROWS]); rows past M zero. Row-major, the tile's eight row pointers and
+   inputs, the rows' 32 bytes one after another (xt [tiles][B][VNNI_ROWS][32]), and their blocks'
+   scales (xst [tiles][B][VNNI_ROWS]; a run of blocks shares one); rows past M zero (the asm tiles
+   compute them). Row-major, the tile's eight row pointers and
    the weights' took more general registers than there are, and GCC spilled them in the inner loop. */
 static void vnni_tile_rows(const int8_t *xq, const float *xs, int64_t M, int64_t Kp, int8_t *xt, float *xst,
                            int num_threads) {
@@ -975,11 +969,11 @@ static inline __attribute__((always_inline)) void vnni_tile(const int mb, const 
     if (G > 1) prefetch_group_scales(scales, offsets, G, Np, n0);
     /* int8 per channel: the sums scaled by the activations' block scales only, the column scale once */
     const int per_channel = bits == 8 && G == 1;
-    /* up to 8 rows, two int32 chains a row (a8 .. a15 take the odd steps or the high nibbles), so
-       that vpdpbusd's latency stays covered */
+    /* the loop below runs 1-4 rows: two int32 chains a row (a8 .. a11 take the odd steps or the high
+       nibbles), so that vpdpbusd's latency stays covered */
     const int two_chains = mb <= 8;
     const __m512i nibble = _mm512_set1_epi8(0x0F);
-    /* float32 sums in memory (L1), touched once per block: in registers they left no room for 16 rows */
+    /* float32 sums in memory (L1), touched once per run: in registers they left no room for 16 rows */
     float facc[VNNI_ROWS][I8_PANEL] __attribute__((aligned(64)));
     for (int r = 0; r < mb; r++) _mm512_store_ps(facc[r], _mm512_setzero_ps());
     /* 5-16 rows: the asm tiles, over the zero rows past M too (a decode step streams the weights:
@@ -1114,7 +1108,7 @@ int vnni_supported(void) { return VNNI; }
 static int w4a8_vnni = VNNI;
 void set_w4a8_vnni(int on) { w4a8_vnni = on && VNNI; }
 
-/* int8 weights: blocks of 32 inputs per activation scale (a run, summed in int32 before one float
+/* int8 weights: one activation scale per VNNI_SCALE_BLOCKS blocks of 32 inputs (a run, summed in int32 before one float
    rescale). The rescale at the end of every block (its sums' last vpdpbusd waited on first) held the
    16-row tile at ~56% of vpdpbusd's peak at 256 rows, two blocks ~63%, the whole row ~70%; measured
    on the outlier checkpoint of bench.py --accuracy (24 prompts x 32 positions), a scale per 64

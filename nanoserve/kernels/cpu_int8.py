@@ -141,8 +141,8 @@ class Int8Kernels:
 
     def vnni(self, x: torch.Tensor, w: PackedInt8VNNI, bias: torch.Tensor | None = None,
              out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """x [M, K] bf16 or float32, quantized per block of 32 inputs in the kernel -> [M, N] (bf16 if
-        out_dtype is, else float32; bias float32). Needs AVX512-VNNI (vnni_supported)."""
+        """x [M, K] bf16 or float32, quantized in the kernel (int8_gemm_vnni_torch says how) -> [M, N] (bf16
+        if out_dtype is, else float32; bias float32). Needs AVX512-VNNI (vnni_supported)."""
         x, y, io = gemm_operands(x, w.out_features, out_dtype)
         with traced("nanoserve::cpu_int8_vnni"):
             rc = self.lib.int8_gemm_vnni(x.data_ptr(), x.shape[0], w.in_features, w.panels.data_ptr(),
@@ -335,7 +335,7 @@ def vnni_supported(group_size: int, in_features: int, lib: ctypes.CDLL) -> bool:
     return bool(lib.vnni_supported()) and w4a8_supported(group_size, in_features)
 
 
-VNNI_SCALE_BLOCKS = 2  # int8 weights: blocks of 32 inputs per activation scale (cpu_int8.c says why)
+VNNI_SCALE_BLOCKS = 2  # int8 weights: one activation scale per 2 blocks of 32 inputs (cpu_int8.c says why)
 
 
 def vnni_scale_blocks(group: int, in_features: int) -> int:

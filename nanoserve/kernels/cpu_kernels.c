@@ -22,6 +22,7 @@
 #include <string.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+#include "cpu_simd.h"
 #endif
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
@@ -325,7 +326,7 @@ static inline void qk_bf16_4x2(const float *q0, const float *q1, const uint16_t 
 }
 #endif
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 #define DECODE_ZMM 1
 /* qk_bf16_4x2 in zmm registers (n % 32 == 0, q in the 32-value even/odd order): half the loads,
    widening ops and FMAs of the ymm loop, for CPUs with AVX-512. */
@@ -409,7 +410,7 @@ static void decode_scores_bf16(const float *qs, const uint16_t *k_cache, const i
 
 /* P.V of one decode work item over a bf16 cache: acc[r] += sum_j scores[r][j] * v_j for its rows
    query heads, four value rows at a time widened in registers once for the G heads that share them;
-   acc in even/odd order (eo_index), as the shift and the mask widen a 16-value chunk. */
+   acc in even/odd order (eo_index), as the shift and the mask widen a chunk of 16 (ymm) or 32 (zmm) values. */
 static void decode_values_bf16(const float *scores, const uint16_t *v_cache, const int32_t *table, int64_t nkeys,
                                int64_t block_size, int64_t num_kv_heads, int64_t kv0, int64_t kv_per_item,
                                int64_t G, int64_t head_dim, float *acc, int64_t max_keys, int zmm) {
@@ -637,6 +638,15 @@ void silu_mul_bf16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t n, in
         const uint16_t *gate = x + i * 2 * n, *up = gate + n;
         uint16_t *o = out + i * n;
         int64_t d = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX2__) && defined(__FMA__)
+        for (; d + 16 <= n; d += 16) {  /* the loop below in zmm registers: half the divisions, a third of the time */
+            const __m512 g = bf16x16_to_f32(gate + d);
+            const __m512 e = exp512_ps(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), _mm512_set1_ps(89.0f)));
+            const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+            const __m512 rounded = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(f32x16_to_bf16(silu)), 16));
+            _mm256_storeu_si256((__m256i *)(o + d), f32x16_to_bf16(_mm512_mul_ps(rounded, bf16x16_to_f32(up + d))));
+        }
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
         for (; d + 8 <= n; d += 8) {
             const __m256 g = widen_bf16x8(gate + d);

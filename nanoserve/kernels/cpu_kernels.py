@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("cpu_kernels.c", "cpu_int8.c", "cpu_dpbf16.c", "cpu_decode_layers.c"))
+HEADERS = (Path(__file__).with_name("cpu_simd.h"),)  # included by the sources: part of the build's key
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
 
 _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -104,7 +105,7 @@ def _cpu_fingerprint() -> str:
 
 
 def _build(cc: str) -> Path:
-    source = b"".join(path.read_bytes() for path in SOURCES)
+    source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
     key = hashlib.sha256(source + " ".join([cc, *CFLAGS]).encode() + _cpu_fingerprint().encode()).hexdigest()[:16]
     target = _cache_dir() / f"cpu_kernels-{key}.so"
     if target.exists():
