@@ -112,8 +112,8 @@ PREFILL_DPBF16 = LIB is not None and bool(LIB.prefill_attention_dpbf16_supported
 @pytest.mark.skipif(not PREFILL_DPBF16, reason="needs a CPU with AVX512-BF16")
 @pytest.mark.parametrize("name", list(CASES))
 def test_dpbf16_prefill_attention_matches_naive(name):
-    # bf16 products exact, float32 softmax, P rounded to bf16 for P . V: within bf16's error of the
-    # float64 reference. Every case: cached prefixes, GQA 1-4 (3 too), block sizes 1-16, head_dim 16-128.
+    # bf16 products exact, float32 softmax and P . V: the float64 reference rounded to bf16, to a bf16
+    # step. Every case: cached prefixes, GQA 1-4 (3 too), block sizes 1-16, head_dim 16-128.
     seqs, heads, kv_heads, head_dim, block_size = CASES[name]
     b = make_paged_batch(seqs, heads, kv_heads, head_dim, block_size, dtype=torch.bfloat16)
     assert ca.prefill_dpbf16_supported(LIB, b["q"], b["k_cache"]) == (head_dim % 16 == 0)
@@ -122,7 +122,28 @@ def test_dpbf16_prefill_attention_matches_naive(name):
     got = ca.prefill_attention_dpbf16(LIB, b["q"], b["k_cache"], b["v_cache"], b["cu_seqlens_q"], b["context_lens"],
                                       b["block_tables"], b["scale"])
     assert got.dtype == torch.bfloat16 and got.shape == b["q"].shape
-    torch.testing.assert_close(got.double(), naive_paged_attention(as_fp32_batch(b)), atol=ATOL["bf16"], rtol=0)
+    torch.testing.assert_close(got.double(), naive_paged_attention(as_fp32_batch(b)), atol=2e-3, rtol=8e-3)
+
+
+@pytest.mark.skipif(not PREFILL_DPBF16, reason="needs a CPU with AVX512-BF16")
+def test_dpbf16_prefill_attention_sees_no_key_past_its_position():
+    # A huge value row at every key: each query's output must move with exactly the keys up to its
+    # own position (a causal off-by-one would pull in the next key's 1000s).
+    seqs = [(40, 40), (20, 37), (17, 17)]
+    b = make_paged_batch(seqs, 4, 2, 32, 8, dtype=torch.bfloat16)
+    b["v_cache"].fill_(0.0)
+    b["k_cache"].fill_(0.0)  # every score equal: the output is the mean of the visible values
+    cu, ctx = b["cu_seqlens_q"].tolist(), b["context_lens"].tolist()
+    for s, (q_len, n) in enumerate(seqs):
+        for key in range(n):  # value of key j: j (every channel), at its slot
+            block, off = b["block_tables"][s, key // 8].item(), key % 8
+            b["v_cache"][block, off] = float(key)
+    got = ca.prefill_attention_dpbf16(LIB, b["q"], b["k_cache"], b["v_cache"], b["cu_seqlens_q"], b["context_lens"],
+                                      b["block_tables"], b["scale"]).float()
+    for s, (q_len, n) in enumerate(seqs):
+        for i in range(q_len):
+            pos = n - q_len + i  # keys 0..pos visible: their mean is pos / 2
+            torch.testing.assert_close(got[cu[s] + i], torch.full_like(got[cu[s] + i], pos / 2), atol=0, rtol=4e-3)
 
 
 @pytest.mark.skipif(not PREFILL_DPBF16, reason="needs a CPU with AVX512-BF16")
@@ -134,7 +155,7 @@ def test_dpbf16_prefill_attention_long_prompts_and_tile_edges():
     b["q"] = (b["q"].float() * 6).bfloat16()
     got = ca.prefill_attention_dpbf16(LIB, b["q"], b["k_cache"], b["v_cache"], b["cu_seqlens_q"], b["context_lens"],
                                       b["block_tables"], b["scale"])
-    torch.testing.assert_close(got.double(), naive_paged_attention(as_fp32_batch(b)), atol=ATOL["bf16"], rtol=0)
+    torch.testing.assert_close(got.double(), naive_paged_attention(as_fp32_batch(b)), atol=2e-3, rtol=8e-3)
 
 
 def _gemm(path: str, weight: torch.Tensor, bias: torch.Tensor):

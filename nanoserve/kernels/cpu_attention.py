@@ -161,8 +161,8 @@ def prefill_attention_dpbf16(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks]
     scale: float,
 ) -> torch.Tensor:
-    """Causal prefill attention with vdpbf16ps (cpu_dpbf16.c): bf16 dot products, float32 softmax, P
-    rounded to bf16 for P . V as flash-attention does; bf16 out. Long query runs' path on AVX512-BF16
+    """Causal prefill attention with vdpbf16ps (cpu_dpbf16.c): bf16 dot products for the scores, float32
+    softmax and P . V (P is not rounded to bf16); bf16 out. Long query runs' path on AVX512-BF16
     CPUs, where SDPA per sequence widened the cache to float32 first."""
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape

@@ -17,7 +17,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #include "cpu_simd.h"
 #define DPBF16 1
@@ -212,7 +212,7 @@ int dpbf16_gemm(const uint16_t *x, int64_t M, int64_t K, const uint16_t *panels,
 /* Prefill attention over a bf16 paged cache with vdpbf16ps (CPUs with AVX512-BF16): long query    */
 /* runs (a prompt's prefill, a pooling model's documents), where the float32 SDPA per sequence     */
 /* widened every key and value row and ran the FMA units at a tenth of this. Its reference is      */
-/* paged_attention_varlen_torch (nanoserve/layers/attention ops), tests/test_cpu_kernels.py.       */
+/* paged_attention_varlen_torch (nanoserve/kernels/paged_attention.py), tests/test_cpu_kernels.py. */
 /*                                                                                                 */
 /* A work item is 16 query tokens of one sequence and the query heads of one KV head: the tokens   */
 /* are the 16 lanes of every score vector. Keys come 16 at a time, copied out of the cache into a   */
@@ -385,7 +385,8 @@ int prefill_attention_dpbf16(const uint16_t *q, void *out, int out_bf16, const u
     for (int64_t s = 0; s < num_seqs; s++) tiles += (cu_seqlens_q[s + 1] - cu_seqlens_q[s] + PA_ROWS - 1) / PA_ROWS;
     int64_t *tile_seq = malloc(sizeof(int64_t) * (size_t)(tiles > 0 ? tiles : 1));
     if (tile_seq == NULL) return 2;
-    /* the longest tiles (last in their sequence, most keys) first: dynamic scheduling then ends evenly */
+    /* tiles in sequence order; handed out last first, so each sequence's later tiles (more keys) start
+       before its earlier ones and the dynamic schedule ends more evenly */
     int64_t *tile_t0 = malloc(sizeof(int64_t) * (size_t)(tiles > 0 ? tiles : 1));
     if (tile_t0 == NULL) { free(tile_seq); return 2; }
     int64_t n = 0;
@@ -407,8 +408,11 @@ int prefill_attention_dpbf16(const uint16_t *q, void *out, int out_bf16, const u
 #pragma omp for schedule(dynamic, 1) collapse(2)
         for (int64_t i = 0; i < tiles; i++) {
             for (int64_t kvh = 0; kvh < Hkv; kvh++) {
-                if (failed) continue;
-                const int64_t it = tiles - 1 - i;  /* later tiles see more keys: start with them */
+                int stop;
+#pragma omp atomic read
+                stop = failed;
+                if (stop) continue;
+                const int64_t it = tiles - 1 - i;
                 const int64_t s = tile_seq[it], t0 = tile_t0[it], end = cu_seqlens_q[s + 1];
                 const int64_t nq = end - t0 < PA_ROWS ? end - t0 : PA_ROWS;
                 const int64_t pos0 = context_lens[s] - (end - cu_seqlens_q[s]) + (t0 - cu_seqlens_q[s]);
