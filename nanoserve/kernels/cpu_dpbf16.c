@@ -215,7 +215,7 @@ int dpbf16_gemm(const uint16_t *x, int64_t M, int64_t K, const uint16_t *panels,
 /* paged_attention_varlen_torch (nanoserve/kernels/paged_attention.py), tests/test_cpu_kernels.py. */
 /*                                                                                                 */
 /* A work item is 16 query tokens of one sequence and the query heads of one KV head: the tokens   */
-/* are the 16 lanes of every score vector. Keys come 16 at a time, copied out of the cache into a   */
+/* are the 16 lanes of every score vector. Keys come 32 at a time, copied out of the cache into a   */
 /* contiguous chunk once for those heads: S^T[j] (a                                                  */
 /* vector over the 16 queries) = sum over input pairs of the queries' pair times key j's pair,     */
 /* broadcast; the online softmax is then lane-wise (each query its own max and sum), with no       */
@@ -223,7 +223,8 @@ int dpbf16_gemm(const uint16_t *x, int64_t M, int64_t K, const uint16_t *panels,
 /* over the widened value rows: P is not rounded).                                                  */
 #if DPBF16
 #define PA_ROWS 16 /* query tokens per work item */
-#define PA_KEYS 16 /* keys per chunk */
+#define PA_KEYS 32 /* keys per chunk: the output rows are loaded and stored once per chunk */
+#define PA_SCORE_KEYS 16 /* keys per pass of chunk_scores: its sixteen accumulators */
 /* Row stride of the chunk's key and value copies, the largest head_dim this kernel takes: a constant,
    so that each of the 16 keys' broadcasts is one fixed offset from one pointer. */
 #define PA_MAX_D 512
@@ -237,7 +238,7 @@ typedef struct {    /* per thread; G query heads share a KV head */
 } PrefillScratch;
 
 /* S^T for one chunk: s[j] = the 16 queries' scores against key j, unscaled */
-static __attribute__((noinline)) void chunk_scores(const uint32_t *qp, const uint16_t *kc, int64_t D, __m512 s[PA_KEYS]) {
+static __attribute__((noinline)) void chunk_scores(const uint32_t *qp, const uint16_t *kc, int64_t D, __m512 s[PA_SCORE_KEYS]) {
     __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0, s6 = s0, s7 = s0;
     __m512 s8 = s0, s9 = s0, s10 = s0, s11 = s0, s12 = s0, s13 = s0, s14 = s0, s15 = s0;
     const uint32_t *k = (const uint32_t *)kc;  /* key j's pair p at k[j * PA_MAX_D / 2 + p] */
@@ -330,7 +331,8 @@ static void prefill_tile(const uint16_t *q, void *out, int out_bf16, const uint1
             visible[j] = j < nk ? _mm512_cmpge_epi32_mask(posv, _mm512_set1_epi32((int)(j0 + j))) : 0;
         for (int64_t g = 0; g < G; g++) {
             __m512 s[PA_KEYS];
-            chunk_scores(sc->qp + g * (D / 2) * PA_ROWS, sc->kc, D, s);
+            for (int64_t j = 0; j < PA_KEYS; j += PA_SCORE_KEYS)
+                chunk_scores(sc->qp + g * (D / 2) * PA_ROWS, sc->kc + j * PA_MAX_D, D, s + j);
             const __m512 m = _mm512_loadu_ps(sc->m + g * PA_ROWS);
             __m512 mnew = m;
             for (int64_t j = 0; j < PA_KEYS; j++) {

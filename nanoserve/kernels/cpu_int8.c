@@ -853,16 +853,19 @@ static void vnni_tile_rows(const int8_t *xq, const float *xs, int64_t M, int64_t
    vpdpbusd with each row's 4 inputs broadcast from memory ({1to16}) is one instruction a row and
    step, its accumulator tied to a register: through the intrinsic's destructive operand, GCC copied
    all sixteen accumulators every step (the tile ran at ~50% of vpdpbusd's peak). */
+/* OP(accumulator, row, ...) over a tile's rows: rows 0-7 into a0-a7, rows 8-15 into a8-a15, or rows
+   0-7 into their second chains a8-a15 */
+#define ROWS_LOW(OP, wv, at) OP(0, 0, wv, at) OP(1, 1, wv, at) OP(2, 2, wv, at) OP(3, 3, wv, at) OP(4, 4, wv, at) \
+    OP(5, 5, wv, at) OP(6, 6, wv, at) OP(7, 7, wv, at)
+#define ROWS_HIGH(OP, wv, at) OP(8, 8, wv, at) OP(9, 9, wv, at) OP(10, 10, wv, at) OP(11, 11, wv, at)           \
+    OP(12, 12, wv, at) OP(13, 13, wv, at) OP(14, 14, wv, at) OP(15, 15, wv, at)
+#define ROWS_SECOND(OP, wv, at) OP(8, 0, wv, at) OP(9, 1, wv, at) OP(10, 2, wv, at) OP(11, 3, wv, at)           \
+    OP(12, 4, wv, at) OP(13, 5, wv, at) OP(14, 6, wv, at) OP(15, 7, wv, at)
 #define VNNI_DP(acc, r, wv, at) __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(a##acc) : "v"(wv), \
                                         "m"(*(const int32_t *)(xb + r * W4_BLOCK + (at))));
-#define VNNI_DP8(wv, at) VNNI_DP(0, 0, wv, at) VNNI_DP(1, 1, wv, at) VNNI_DP(2, 2, wv, at) VNNI_DP(3, 3, wv, at) \
-    VNNI_DP(4, 4, wv, at) VNNI_DP(5, 5, wv, at) VNNI_DP(6, 6, wv, at) VNNI_DP(7, 7, wv, at)
-#define VNNI_DP8_HIGH(wv, at) VNNI_DP(8, 8, wv, at) VNNI_DP(9, 9, wv, at) VNNI_DP(10, 10, wv, at)                \
-    VNNI_DP(11, 11, wv, at) VNNI_DP(12, 12, wv, at) VNNI_DP(13, 13, wv, at) VNNI_DP(14, 14, wv, at)           \
-    VNNI_DP(15, 15, wv, at)
-#define VNNI_DP8_SECOND(wv, at) VNNI_DP(8, 0, wv, at) VNNI_DP(9, 1, wv, at) VNNI_DP(10, 2, wv, at)              \
-    VNNI_DP(11, 3, wv, at) VNNI_DP(12, 4, wv, at) VNNI_DP(13, 5, wv, at) VNNI_DP(14, 6, wv, at)               \
-    VNNI_DP(15, 7, wv, at)
+#define VNNI_DP8(wv, at) ROWS_LOW(VNNI_DP, wv, at)
+#define VNNI_DP8_HIGH(wv, at) ROWS_HIGH(VNNI_DP, wv, at)
+#define VNNI_DP8_SECOND(wv, at) ROWS_SECOND(VNNI_DP, wv, at)
 /* one weight vector against the tile's rows: all 16, or rows 0-7 into their first (chain 0) or
    second (chain 1) accumulators */
 #define VNNI_STEP(wv, at, chain)                                                                 \
@@ -971,7 +974,6 @@ static inline __attribute__((always_inline)) void vnni_tile(const int mb, const 
     const int per_channel = bits == 8 && G == 1;
     /* the loop below runs 1-4 rows: two int32 chains a row (a8 .. a11 take the odd steps or the high
        nibbles), so that vpdpbusd's latency stays covered */
-    const int two_chains = mb <= 8;
     const __m512i nibble = _mm512_set1_epi8(0x0F);
     /* float32 sums in memory (L1), touched once per run: in registers they left no room for 16 rows */
     float facc[VNNI_ROWS][I8_PANEL] __attribute__((aligned(64)));
@@ -998,20 +1000,11 @@ static inline __attribute__((always_inline)) void vnni_tile(const int mb, const 
         memcpy(&q4, xb + r * W4_BLOCK + (at), 4);                                                 \
         a##acc = _mm512_dpbusd_epi32(a##acc, wv, _mm512_set1_epi32(q4));                          \
     }
-#define VNNI_LOW(wv, at) VNNI_ROW(0, 0, wv, at) VNNI_ROW(1, 1, wv, at) VNNI_ROW(2, 2, wv, at) VNNI_ROW(3, 3, wv, at) \
-    VNNI_ROW(4, 4, wv, at) VNNI_ROW(5, 5, wv, at) VNNI_ROW(6, 6, wv, at) VNNI_ROW(7, 7, wv, at)
-#define VNNI_HIGH(wv, at) VNNI_ROW(8, 8, wv, at) VNNI_ROW(9, 9, wv, at) VNNI_ROW(10, 10, wv, at)               \
-    VNNI_ROW(11, 11, wv, at) VNNI_ROW(12, 12, wv, at) VNNI_ROW(13, 13, wv, at) VNNI_ROW(14, 14, wv, at)          \
-    VNNI_ROW(15, 15, wv, at)
-#define VNNI_SECOND(wv, at) VNNI_ROW(8, 0, wv, at) VNNI_ROW(9, 1, wv, at) VNNI_ROW(10, 2, wv, at)              \
-    VNNI_ROW(11, 3, wv, at) VNNI_ROW(12, 4, wv, at) VNNI_ROW(13, 5, wv, at) VNNI_ROW(14, 6, wv, at)              \
-    VNNI_ROW(15, 7, wv, at)
-/* one weight vector against every row: rows 0-7 into a0-a7 (`chain`: their second chains a8-a15
-   for up to 8 rows), rows 8-15 into a8-a15 */
+/* one weight vector against the (at most 4) rows, into their first (chain 0) or second (chain 1)
+   int32 chains */
 #define VNNI_STEP(wv, at, chain)                                                                  \
     do {                                                                                          \
-        if (two_chains && (chain)) { VNNI_SECOND(wv, at) } else { VNNI_LOW(wv, at) }              \
-        if (!two_chains) { VNNI_HIGH(wv, at) }                                                    \
+        if (chain) { ROWS_SECOND(VNNI_ROW, wv, at) } else { ROWS_LOW(VNNI_ROW, wv, at) }          \
     } while (0)
         if (bits == 8) {
             for (int s = 0; s < W4_BLOCK / 4; s += 2) {
@@ -1031,17 +1024,14 @@ static inline __attribute__((always_inline)) void vnni_tile(const int mb, const 
             }
         }
 #undef VNNI_STEP
-#undef VNNI_SECOND
-#undef VNNI_HIGH
-#undef VNNI_LOW
 #undef VNNI_ROW
+#undef ROWS_SECOND
+#undef ROWS_HIGH
+#undef ROWS_LOW
         }
         const float *xsb = xst + (b1 - 1) * VNNI_ROWS;  /* the run's activation scales (one per row) */
-        if (two_chains) {
-            a0 = _mm512_add_epi32(a0, a8), a1 = _mm512_add_epi32(a1, a9), a2 = _mm512_add_epi32(a2, a10);
-            a3 = _mm512_add_epi32(a3, a11), a4 = _mm512_add_epi32(a4, a12), a5 = _mm512_add_epi32(a5, a13);
-            a6 = _mm512_add_epi32(a6, a14), a7 = _mm512_add_epi32(a7, a15);
-        }
+        a0 = _mm512_add_epi32(a0, a8), a1 = _mm512_add_epi32(a1, a9), a2 = _mm512_add_epi32(a2, a10);
+        a3 = _mm512_add_epi32(a3, a11);
         /* per channel one scale per column, applied once after the last block; else W4A8's
            operations in its order */
         const __m512 s = per_channel ? _mm512_setzero_ps() : _mm512_loadu_ps(scales + g * Np + n0);
@@ -1050,9 +1040,7 @@ static inline __attribute__((always_inline)) void vnni_tile(const int mb, const 
         const __m512 x_scale = per_channel ? _mm512_set1_ps(xsb[r]) : _mm512_mul_ps(s, _mm512_set1_ps(xsb[r])); \
         _mm512_store_ps(facc[r], _mm512_fmadd_ps(_mm512_cvtepi32_ps(a##r), x_scale, _mm512_load_ps(facc[r]))); \
     }
-        VNNI_FLUSH(0) VNNI_FLUSH(1) VNNI_FLUSH(2) VNNI_FLUSH(3) VNNI_FLUSH(4) VNNI_FLUSH(5) VNNI_FLUSH(6) VNNI_FLUSH(7)
-        VNNI_FLUSH(8) VNNI_FLUSH(9) VNNI_FLUSH(10) VNNI_FLUSH(11) VNNI_FLUSH(12) VNNI_FLUSH(13) VNNI_FLUSH(14)
-        VNNI_FLUSH(15)
+        VNNI_FLUSH(0) VNNI_FLUSH(1) VNNI_FLUSH(2) VNNI_FLUSH(3)
 #undef VNNI_FLUSH
         left -= b1 - b0;  /* runs never span two groups: the next run starts the next group here */
         if (left == 0) g++, left = per_group;
