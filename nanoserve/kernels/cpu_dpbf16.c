@@ -258,9 +258,33 @@ static __attribute__((noinline)) void chunk_scores(const uint32_t *qp, const uin
    row's P broadcast from memory (p[j][r]). P stays float32, as the reference's softmax leaves it:
    rounded to bf16 for vdpbf16ps it moved greedy tokens off HF's bf16 model where the top two
    logits were 0.03 apart. */
+/* Rows r0 .. r0+7, values d .. d+31: 8 rows x 2 vectors of sums in registers, so each key's two V
+   vectors and 8 P broadcasts (10 loads) feed 16 FMAs, where 16 rows x 1 vector took 17 loads */
+static inline void chunk_values_8x32(float *ot, const float *vf, const float *p, const float *alpha, int64_t D,
+                                     int r0, int64_t d) {
+    float *o = ot + r0 * D + d;
+#define PA_LOAD(r) __m512 o##r##a = _mm512_mul_ps(_mm512_loadu_ps(o + (r) * D), _mm512_set1_ps(alpha[r0 + (r)])), \
+                          o##r##b = _mm512_mul_ps(_mm512_loadu_ps(o + (r) * D + 16), _mm512_set1_ps(alpha[r0 + (r)]));
+    PA_LOAD(0) PA_LOAD(1) PA_LOAD(2) PA_LOAD(3) PA_LOAD(4) PA_LOAD(5) PA_LOAD(6) PA_LOAD(7)
+#undef PA_LOAD
+    for (int j = 0; j < PA_KEYS; j++) {
+        const __m512 va = _mm512_loadu_ps(vf + j * PA_MAX_D + d), vb = _mm512_loadu_ps(vf + j * PA_MAX_D + d + 16);
+        const float *pj = p + j * PA_ROWS + r0;
+#define PA_PV(r) { const __m512 pr = _mm512_set1_ps(pj[r]); \
+                   o##r##a = _mm512_fmadd_ps(pr, va, o##r##a), o##r##b = _mm512_fmadd_ps(pr, vb, o##r##b); }
+        PA_PV(0) PA_PV(1) PA_PV(2) PA_PV(3) PA_PV(4) PA_PV(5) PA_PV(6) PA_PV(7)
+#undef PA_PV
+    }
+#define PA_STORE(r) _mm512_storeu_ps(o + (r) * D, o##r##a), _mm512_storeu_ps(o + (r) * D + 16, o##r##b);
+    PA_STORE(0) PA_STORE(1) PA_STORE(2) PA_STORE(3) PA_STORE(4) PA_STORE(5) PA_STORE(6) PA_STORE(7)
+#undef PA_STORE
+}
+
 static __attribute__((noinline)) void chunk_values(float *ot, const float *vf, const float *p, const float *alpha,
                                                    int64_t D) {
-    for (int64_t d = 0; d < D; d += 16) {
+    int64_t d = 0;
+    for (; d + 32 <= D; d += 32) chunk_values_8x32(ot, vf, p, alpha, D, 0, d), chunk_values_8x32(ot, vf, p, alpha, D, 8, d);
+    for (; d < D; d += 16) {  /* a last 16 values (D % 32 == 16): all 16 rows at once */
         float *o = ot + d;
 #define PA_LOAD(r) __m512 o##r = _mm512_mul_ps(_mm512_loadu_ps(o + (r) * D), _mm512_set1_ps(alpha[r]));
         PA_LOAD(0) PA_LOAD(1) PA_LOAD(2) PA_LOAD(3) PA_LOAD(4) PA_LOAD(5) PA_LOAD(6) PA_LOAD(7)
