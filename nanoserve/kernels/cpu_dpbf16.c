@@ -69,15 +69,14 @@ static void tile_rows(const uint16_t *x, int64_t M, int64_t K, int64_t Kp, uint3
 }
 
 
-/* A full tile's float32 sums of its rows against `pairs` input pairs of one panel, added to acc[16]: vdpbf16ps with each
+/* A full tile's float32 sums of its rows against `pairs` input pairs of one panel, into acc[16]: vdpbf16ps with each
    row's input pair broadcast from memory ({1to16}), one instruction a row and pair, its accumulator
    tied to a register. Inlined into dp_tile, the intrinsic's destructive operand had GCC copy the
    sixteen accumulators around every step (85% of vdpbf16ps's peak at 256 rows). */
 static __attribute__((noinline)) void dp_full_tile(const uint16_t *panel, const uint32_t *xb, int64_t pairs,
                                                    __m512 *acc) {
-    __m512 a0 = acc[0], a1 = acc[1], a2 = acc[2], a3 = acc[3], a4 = acc[4], a5 = acc[5], a6 = acc[6], a7 = acc[7];
-    __m512 a8 = acc[8], a9 = acc[9], a10 = acc[10], a11 = acc[11], a12 = acc[12], a13 = acc[13], a14 = acc[14];
-    __m512 a15 = acc[15];
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    __m512 a8 = a0, a9 = a0, a10 = a0, a11 = a0, a12 = a0, a13 = a0, a14 = a0, a15 = a0;
     for (int64_t k2 = 0; k2 < pairs; k2++, panel += 2 * DP_PANEL, xb += DP_ROWS) {
         _mm_prefetch((const char *)panel + DP_PREFETCH, _MM_HINT_T0);
         const __m512 wv = _mm512_castsi512_ps(_mm512_loadu_si512(panel));
@@ -130,7 +129,6 @@ static inline __attribute__((always_inline)) void dp_tile(const int mb, const ui
         a6 = _mm512_add_ps(a6, a14), a7 = _mm512_add_ps(a7, a15);
     } else if (mb == DP_ROWS) {
         __m512 acc[DP_ROWS];
-        for (int r = 0; r < DP_ROWS; r++) acc[r] = _mm512_setzero_ps();
         dp_full_tile(panel, xb, pairs, acc);
         a0 = acc[0], a1 = acc[1], a2 = acc[2], a3 = acc[3], a4 = acc[4], a5 = acc[5], a6 = acc[6], a7 = acc[7];
         a8 = acc[8], a9 = acc[9], a10 = acc[10], a11 = acc[11], a12 = acc[12], a13 = acc[13], a14 = acc[14];
