@@ -109,9 +109,14 @@ def test_varlen_long_queries_run_sdpa_per_sequence(dtype):
 PREFILL_DPBF16 = LIB is not None and bool(LIB.prefill_attention_dpbf16_supported())
 
 
+# P rounded to bf16 for P . V (pooling engines): each weight off by up to 2^-9 of itself
+P_BF16_TOL = {False: dict(atol=2e-3, rtol=8e-3), True: dict(atol=6e-3, rtol=1.6e-2)}
+
+
 @pytest.mark.skipif(not PREFILL_DPBF16, reason="needs a CPU with AVX512-BF16")
+@pytest.mark.parametrize("p_bf16", [False, True])
 @pytest.mark.parametrize("name", list(CASES))
-def test_dpbf16_prefill_attention_matches_naive(name):
+def test_dpbf16_prefill_attention_matches_naive(name, p_bf16):
     # bf16 products exact, float32 softmax and P . V: the float64 reference rounded to bf16, to a bf16
     # step. Every case: cached prefixes, GQA 1-4 (3 too), block sizes 1-16, head_dim 16-128.
     seqs, heads, kv_heads, head_dim, block_size = CASES[name]
@@ -120,13 +125,14 @@ def test_dpbf16_prefill_attention_matches_naive(name):
     if head_dim % 16:
         pytest.skip("head_dim not a multiple of 16: the backend keeps the other kernels")
     got = ca.prefill_attention_dpbf16(LIB, b["q"], b["k_cache"], b["v_cache"], b["cu_seqlens_q"], b["context_lens"],
-                                      b["block_tables"], b["scale"])
+                                      b["block_tables"], b["scale"], p_bf16)
     assert got.dtype == torch.bfloat16 and got.shape == b["q"].shape
-    torch.testing.assert_close(got.double(), naive_paged_attention(as_fp32_batch(b)), atol=2e-3, rtol=8e-3)
+    torch.testing.assert_close(got.double(), naive_paged_attention(as_fp32_batch(b)), **P_BF16_TOL[p_bf16])
 
 
 @pytest.mark.skipif(not PREFILL_DPBF16, reason="needs a CPU with AVX512-BF16")
-def test_dpbf16_prefill_attention_sees_no_key_past_its_position():
+@pytest.mark.parametrize("p_bf16", [False, True])
+def test_dpbf16_prefill_attention_sees_no_key_past_its_position(p_bf16):
     # A huge value row at every key: each query's output must move with exactly the keys up to its
     # own position (a causal off-by-one would pull in the next key's 1000s).
     seqs = [(40, 40), (20, 37), (17, 17)]
@@ -139,7 +145,7 @@ def test_dpbf16_prefill_attention_sees_no_key_past_its_position():
             block, off = b["block_tables"][s, key // 8].item(), key % 8
             b["v_cache"][block, off] = float(key)
     got = ca.prefill_attention_dpbf16(LIB, b["q"], b["k_cache"], b["v_cache"], b["cu_seqlens_q"], b["context_lens"],
-                                      b["block_tables"], b["scale"]).float()
+                                      b["block_tables"], b["scale"], p_bf16).float()
     for s, (q_len, n) in enumerate(seqs):
         for i in range(q_len):
             pos = n - q_len + i  # keys 0..pos visible: their mean is pos / 2
@@ -147,15 +153,17 @@ def test_dpbf16_prefill_attention_sees_no_key_past_its_position():
 
 
 @pytest.mark.skipif(not PREFILL_DPBF16, reason="needs a CPU with AVX512-BF16")
-def test_dpbf16_prefill_attention_long_prompts_and_tile_edges():
-    # Query runs across many 16-token tiles and 16-key chunks, ending on and off their edges, with
-    # prefixes; large scores (a sharp softmax) keep the running max honest.
-    seqs = [(16, 16), (17, 40), (1, 1), (130, 130), (33, 301), (64, 64)]
+@pytest.mark.parametrize("p_bf16", [False, True])
+def test_dpbf16_prefill_attention_long_prompts_and_tile_edges(p_bf16):
+    # Query runs across many 16-token tiles and 32-key chunks (a last chunk of up to 16 keys computes
+    # only its first half), ending on and off their edges, with prefixes; large scores (a sharp
+    # softmax) keep the running max honest.
+    seqs = [(16, 16), (17, 40), (1, 1), (130, 130), (33, 301), (64, 64), (20, 48), (9, 81), (50, 112)]
     b = make_paged_batch(seqs, 8, 2, 64, 16, dtype=torch.bfloat16)
     b["q"] = (b["q"].float() * 6).bfloat16()
     got = ca.prefill_attention_dpbf16(LIB, b["q"], b["k_cache"], b["v_cache"], b["cu_seqlens_q"], b["context_lens"],
-                                      b["block_tables"], b["scale"])
-    torch.testing.assert_close(got.double(), naive_paged_attention(as_fp32_batch(b)), atol=2e-3, rtol=8e-3)
+                                      b["block_tables"], b["scale"], p_bf16)
+    torch.testing.assert_close(got.double(), naive_paged_attention(as_fp32_batch(b)), **P_BF16_TOL[p_bf16])
 
 
 def _gemm(path: str, weight: torch.Tensor, bias: torch.Tensor):

@@ -88,6 +88,29 @@ def test_vectors_match_sentence_transformers(ckpts, kind):
         llm.close()
 
 
+def test_bf16_vectors_match_float32_with_p_rounded_for_p_v(ckpts, llm, monkeypatch):
+    # A bf16 pooling engine: within bf16's error of the float32 one. On AVX512-BF16 CPUs its long query
+    # runs take the dpbf16 prefill attention with P rounded to bf16 for P . V (a generating engine
+    # keeps P in float32): the vectors must not drift further for it.
+    from nanoserve.kernels import cpu_attention, cpu_kernels
+
+    calls, dpbf16 = [], cpu_attention.prefill_attention_dpbf16
+    monkeypatch.setattr(cpu_attention, "prefill_attention_dpbf16",
+                        lambda *args, **kwargs: calls.append(kwargs.get("p_bf16")) or dpbf16(*args, **kwargs))
+    ref = llm.embed(DOCS, use_tqdm=False)
+    bf16 = LLM(ckpts["last"], **{**POOLING, "dtype": "bfloat16"})
+    try:
+        got = bf16.embed(DOCS, use_tqdm=False)
+        assert_no_leak(bf16)
+    finally:
+        bf16.close()
+    for a, b in zip(got, ref):
+        assert cosine(a.outputs.embedding, b.outputs.embedding) >= 0.9995
+    lib = cpu_kernels.load()
+    if lib is not None and lib.prefill_attention_dpbf16_supported():  # the tiny model's head_dim is 16's multiple
+        assert calls and all(calls)
+
+
 def test_last_token_pooling_runs_the_last_layer_past_attention_on_pooled_rows_only(llm):
     # Past its attention the last layer computes only the rows the pooler reads (one a completing
     # prompt, or one when none completes); the layers before it, and its K/V, see every token.

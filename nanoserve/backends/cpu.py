@@ -89,7 +89,9 @@ class CPUOptions:
     batch_invariant: bool = False
     int8: str = "auto"
     fused_decode: bool = True  # decode-only steps run every layer in one C call (kernels/cpu_decode_layers.py)
-    prefill_only: bool = False  # no decode steps (runner="pooling"): GEMMs of hundreds of rows only
+    # no decode steps (runner="pooling"): GEMMs of hundreds of rows only; a pooled vector, no argmax,
+    # so prefill attention may round P to bf16 for P . V (cpu_attention.prefill_attention_dpbf16)
+    prefill_only: bool = False
 
     def __post_init__(self) -> None:
         if self.int8 not in ("auto", *INT8_PATHS, *INT4_PATHS):
@@ -369,7 +371,7 @@ class CPUBackend(Backend):
         if tiles is None and cpu_attention.prefill_dpbf16_supported(self.attention_lib, q, k_cache):
             return cpu_attention.prefill_attention_dpbf16(  # long query runs, AVX512-BF16: bf16 dot products
                 self.attention_lib, q, k_cache, v_cache, meta.prefill_cu_seqlens_q, meta.prefill_context_lens,
-                meta.prefill_block_tables, scale,
+                meta.prefill_block_tables, scale, p_bf16=self.options.prefill_only,
             )
         if tiles is None:  # long query runs: SDPA's blocked GEMMs beat the C kernel
             return cpu_attention.varlen_sdpa_per_sequence(

@@ -160,10 +160,13 @@ def prefill_attention_dpbf16(
     context_lens: torch.Tensor,  # [num_seqs]
     block_tables: torch.Tensor,  # [num_seqs, max_blocks]
     scale: float,
+    p_bf16: bool = False,
 ) -> torch.Tensor:
     """Causal prefill attention with vdpbf16ps (cpu_dpbf16.c): bf16 dot products for the scores, float32
-    softmax and P . V (P is not rounded to bf16); bf16 out. Long query runs' path on AVX512-BF16
-    CPUs, where SDPA per sequence widened the cache to float32 first."""
+    softmax and P . V; bf16 out. Long query runs' path on AVX512-BF16 CPUs, where SDPA per sequence
+    widened the cache to float32 first. p_bf16: P rounded to bf16 for P . V (vdpbf16ps, two keys an
+    instruction, as flash-attn's GPU kernels): ~1.2x faster, but it moved greedy tokens off HF's bf16
+    model where two logits were close, so only pooling engines (a vector, not an argmax) take it."""
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     _check_cache(k_cache, v_cache)
@@ -175,7 +178,7 @@ def prefill_attention_dpbf16(
         err = lib.prefill_attention_dpbf16(
             q.data_ptr(), out.data_ptr(), 1, k_cache.data_ptr(), v_cache.data_ptr(), bt.data_ptr(), bt.shape[1],
             cu.data_ptr(), lens.data_ptr(), lens.shape[0], num_heads, num_kv_heads, head_dim, block_size, scale,
-            torch.get_num_threads(),
+            int(p_bf16), torch.get_num_threads(),
         )
     if err == 1:
         raise ValueError(f"the dpbf16 prefill attention needs AVX512-BF16 and head_dim a multiple of 16 up to "

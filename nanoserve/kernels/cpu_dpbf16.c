@@ -259,13 +259,13 @@ static __attribute__((noinline)) void chunk_scores(const uint32_t *qp, const uin
 /* Rows r0 .. r0+7, values d .. d+31: 8 rows x 2 vectors of sums in registers, so each key's two V
    vectors and 8 P broadcasts (10 loads) feed 16 FMAs, where 16 rows x 1 vector took 17 loads */
 static inline void chunk_values_8x32(float *ot, const float *vf, const float *p, const float *alpha, int64_t D,
-                                     int r0, int64_t d) {
+                                     int nkeys, int r0, int64_t d) {
     float *o = ot + r0 * D + d;
 #define PA_LOAD(r) __m512 o##r##a = _mm512_mul_ps(_mm512_loadu_ps(o + (r) * D), _mm512_set1_ps(alpha[r0 + (r)])), \
                           o##r##b = _mm512_mul_ps(_mm512_loadu_ps(o + (r) * D + 16), _mm512_set1_ps(alpha[r0 + (r)]));
     PA_LOAD(0) PA_LOAD(1) PA_LOAD(2) PA_LOAD(3) PA_LOAD(4) PA_LOAD(5) PA_LOAD(6) PA_LOAD(7)
 #undef PA_LOAD
-    for (int j = 0; j < PA_KEYS; j++) {
+    for (int j = 0; j < nkeys; j++) {
         const __m512 va = _mm512_loadu_ps(vf + j * PA_MAX_D + d), vb = _mm512_loadu_ps(vf + j * PA_MAX_D + d + 16);
         const float *pj = p + j * PA_ROWS + r0;
 #define PA_PV(r) { const __m512 pr = _mm512_set1_ps(pj[r]); \
@@ -279,16 +279,17 @@ static inline void chunk_values_8x32(float *ot, const float *vf, const float *p,
 }
 
 static __attribute__((noinline)) void chunk_values(float *ot, const float *vf, const float *p, const float *alpha,
-                                                   int64_t D) {
+                                                   int64_t D, int nkeys) {
     int64_t d = 0;
-    for (; d + 32 <= D; d += 32) chunk_values_8x32(ot, vf, p, alpha, D, 0, d), chunk_values_8x32(ot, vf, p, alpha, D, 8, d);
+    for (; d + 32 <= D; d += 32)
+        chunk_values_8x32(ot, vf, p, alpha, D, nkeys, 0, d), chunk_values_8x32(ot, vf, p, alpha, D, nkeys, 8, d);
     for (; d < D; d += 16) {  /* a last 16 values (D % 32 == 16): all 16 rows at once */
         float *o = ot + d;
 #define PA_LOAD(r) __m512 o##r = _mm512_mul_ps(_mm512_loadu_ps(o + (r) * D), _mm512_set1_ps(alpha[r]));
         PA_LOAD(0) PA_LOAD(1) PA_LOAD(2) PA_LOAD(3) PA_LOAD(4) PA_LOAD(5) PA_LOAD(6) PA_LOAD(7)
         PA_LOAD(8) PA_LOAD(9) PA_LOAD(10) PA_LOAD(11) PA_LOAD(12) PA_LOAD(13) PA_LOAD(14) PA_LOAD(15)
 #undef PA_LOAD
-        for (int j = 0; j < PA_KEYS; j++) {
+        for (int j = 0; j < nkeys; j++) {
             const __m512 v = _mm512_loadu_ps(vf + j * PA_MAX_D + d);
             const float *pj = p + j * PA_ROWS;
 #define PA_PV(r) __asm__("vfmadd231ps %2%{1to16%}, %1, %0" : "+v"(o##r) : "v"(v), "m"(pj[r]));
@@ -303,13 +304,84 @@ static __attribute__((noinline)) void chunk_values(float *ot, const float *vf, c
     }
 }
 
+/* P . V with P rounded to bf16 (p_bf16): vdpbf16ps takes two keys a step, P[r][j], P[r][j+1] as one
+   broadcast pair against the two keys' values interleaved (vp[j/2][d] = V[j][d], V[j+1][d]), half the
+   instructions of the float32 FMAs. The sums stay float32 and the softmax's sum l is unrounded, as
+   flash-attn's GPU kernels cast P for their second GEMM. */
+#define PA_PAIR_DOT(acc, pr, v) __asm__("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(pr), "v"(v))
+static inline void chunk_pairs_8x32(float *ot, const uint32_t *vp, const uint32_t *p2, const float *alpha, int64_t D,
+                                    int npairs, int r0, int64_t d) {
+    float *o = ot + r0 * D + d;
+#define PA_LOAD(r) __m512 o##r##a = _mm512_mul_ps(_mm512_loadu_ps(o + (r) * D), _mm512_set1_ps(alpha[r0 + (r)])), \
+                          o##r##b = _mm512_mul_ps(_mm512_loadu_ps(o + (r) * D + 16), _mm512_set1_ps(alpha[r0 + (r)]));
+    PA_LOAD(0) PA_LOAD(1) PA_LOAD(2) PA_LOAD(3) PA_LOAD(4) PA_LOAD(5) PA_LOAD(6) PA_LOAD(7)
+#undef PA_LOAD
+    for (int jp = 0; jp < npairs; jp++) {
+        const __m512i va = _mm512_loadu_si512(vp + jp * PA_MAX_D + d), vb = _mm512_loadu_si512(vp + jp * PA_MAX_D + d + 16);
+        const uint32_t *pj = p2 + jp * PA_ROWS + r0;
+#define PA_PV(r) { const __m512i pr = _mm512_set1_epi32((int)pj[r]); PA_PAIR_DOT(o##r##a, pr, va); PA_PAIR_DOT(o##r##b, pr, vb); }
+        PA_PV(0) PA_PV(1) PA_PV(2) PA_PV(3) PA_PV(4) PA_PV(5) PA_PV(6) PA_PV(7)
+#undef PA_PV
+    }
+#define PA_STORE(r) _mm512_storeu_ps(o + (r) * D, o##r##a), _mm512_storeu_ps(o + (r) * D + 16, o##r##b);
+    PA_STORE(0) PA_STORE(1) PA_STORE(2) PA_STORE(3) PA_STORE(4) PA_STORE(5) PA_STORE(6) PA_STORE(7)
+#undef PA_STORE
+}
+
+static __attribute__((noinline)) void chunk_pairs(float *ot, const uint32_t *vp, const uint32_t *p2, const float *alpha,
+                                                  int64_t D, int npairs) {
+    int64_t d = 0;
+    for (; d + 32 <= D; d += 32)
+        chunk_pairs_8x32(ot, vp, p2, alpha, D, npairs, 0, d), chunk_pairs_8x32(ot, vp, p2, alpha, D, npairs, 8, d);
+    for (; d < D; d += 16) {  /* a last 16 values (D % 32 == 16) */
+        for (int r = 0; r < PA_ROWS; r++) {
+            float *o = ot + r * D + d;
+            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(o), _mm512_set1_ps(alpha[r]));
+            for (int jp = 0; jp < npairs; jp++)
+                PA_PAIR_DOT(acc, _mm512_set1_epi32((int)p2[jp * PA_ROWS + r]), _mm512_loadu_si512(vp + jp * PA_MAX_D + d));
+            _mm512_storeu_ps(o, acc);
+        }
+    }
+}
+#undef PA_PAIR_DOT
+
+/* The chunk's value rows for P . V: widened to float32 (vf[j][d]), or for p_bf16 key pairs interleaved
+   (vp[j/2][d]); rows past nk are zeros. */
+static void copy_values(const uint16_t *const vrows[PA_KEYS], int64_t D, int nkeys, int p_bf16, float *vf) {
+    if (p_bf16) {
+        uint32_t *vp = (uint32_t *)vf;
+        for (int64_t jp = 0; jp < nkeys / 2; jp++) {
+            const uint16_t *a = vrows[2 * jp], *b = vrows[2 * jp + 1];
+            for (int64_t d = 0; d < D; d += 16) {
+                const __m512i lo = a ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(a + d))) : _mm512_setzero_si512();
+                const __m512i hi = b ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(b + d))) : _mm512_setzero_si512();
+                _mm512_storeu_si512(vp + jp * PA_MAX_D + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+            }
+        }
+        return;
+    }
+    for (int64_t j = 0; j < nkeys; j++) {  /* a bf16 value is a float32's high half */
+        const uint16_t *vr = vrows[j];
+        for (int64_t d = 0; d < D; d += 16) {
+            const __m512i v = vr ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vr + d))) : _mm512_setzero_si512();
+            _mm512_storeu_ps(vf + j * PA_MAX_D + d, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+        }
+    }
+}
+
 /* Query tokens t0 .. t0+nq-1 (positions pos0 ..; nq <= PA_ROWS) of one sequence and the G query
    heads of KV head kvh, against its keys 0 .. pos0+nq-1 through `table`: each chunk's keys and value
    pairs copied out once for the G heads (each head its own queries, sums, max and output rows). */
 static void prefill_tile(const uint16_t *q, void *out, int out_bf16, const uint16_t *k_cache, const uint16_t *v_cache,
                          const int32_t *table, int64_t block_size, int64_t H, int64_t Hkv, int64_t D, int64_t t0,
-                         int64_t nq, int64_t pos0, int64_t kvh, float scale, PrefillScratch *sc) {
+                         int64_t nq, int64_t pos0, int64_t kvh, float scale, int p_bf16, PrefillScratch *sc) {
     const int64_t G = H / Hkv;
+    /* the tile's query rows requested all at once: the transposition below reads them row by row,
+       a few cache misses in flight at a time */
+    for (int64_t r = 0; r < nq; r++) {
+        const char *row = (const char *)(q + ((t0 + r) * H + kvh * G) * D);
+        for (int64_t b = 0; b < G * D * 2; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+    }
     for (int64_t g = 0; g < G; g++) {
         const int64_t h = kvh * G + g;
         uint32_t *qp = sc->qp + g * (D / 2) * PA_ROWS;
@@ -324,6 +396,9 @@ static void prefill_tile(const uint16_t *q, void *out, int out_bf16, const uint1
     for (int64_t r = 0; r < PA_ROWS; r++) pos[r] = (int32_t)(pos0 + (r < nq ? r : nq - 1));
     const __m512i posv = _mm512_loadu_si512(pos);
     const __m512 scalev = _mm512_set1_ps(scale), neg_inf = _mm512_set1_ps(-INFINITY);
+    /* word 2r <- word r (the first key's row r), word 2r + 1 <- word 16 + r (the second's) */
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                                23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     for (int64_t g = 0; g < G; g++) {
         _mm512_storeu_ps(sc->m + g * PA_ROWS, neg_inf);
         _mm512_storeu_ps(sc->l + g * PA_ROWS, _mm512_setzero_ps());
@@ -331,48 +406,61 @@ static void prefill_tile(const uint16_t *q, void *out, int out_bf16, const uint1
     const int64_t nkeys = pos0 + nq;
     for (int64_t j0 = 0; j0 < nkeys; j0 += PA_KEYS) {
         const int64_t nk = nkeys - j0 < PA_KEYS ? nkeys - j0 : PA_KEYS;
-        for (int64_t j = 0; j < PA_KEYS; j++) {
+        /* the keys this chunk computes: a last chunk of at most 16 keys (on the diagonal, half the
+           time) skips the second half's scores, exponentials and P . V */
+        const int nu = nk <= PA_SCORE_KEYS ? PA_SCORE_KEYS : PA_KEYS;
+        const uint16_t *vrows[PA_KEYS];
+        for (int64_t j = 0; j < nu; j++) {
             uint16_t *kd = sc->kc + j * PA_MAX_D;
-            const uint16_t *vr = NULL, *kr = NULL;
+            vrows[j] = NULL;
             if (j < nk) {
                 const int64_t key = j0 + j, slot = (int64_t)table[key / block_size] * block_size + key % block_size;
-                kr = k_cache + (slot * Hkv + kvh) * D, vr = v_cache + (slot * Hkv + kvh) * D;
-            }
-            if (kr) memcpy(kd, kr, sizeof(uint16_t) * (size_t)D);
-            else memset(kd, 0, sizeof(uint16_t) * (size_t)D);
-            /* V rows widened to float32 (a bf16 value is a float32's high half) */
-            float *vd = sc->vf + j * PA_MAX_D;
-            for (int64_t d = 0; d < D; d += 16) {
-                const __m512i v = vr ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vr + d)))
-                                     : _mm512_setzero_si512();
-                _mm512_storeu_ps(vd + d, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+                memcpy(kd, k_cache + (slot * Hkv + kvh) * D, sizeof(uint16_t) * (size_t)D);
+                vrows[j] = v_cache + (slot * Hkv + kvh) * D;
+            } else {
+                memset(kd, 0, sizeof(uint16_t) * (size_t)D);
             }
         }
+        copy_values(vrows, D, nu, p_bf16, sc->vf);
+        for (int64_t key = j0 + PA_KEYS; key < j0 + 2 * PA_KEYS && key < nkeys; key++) {  /* the next chunk's rows */
+            const int64_t slot = (int64_t)table[key / block_size] * block_size + key % block_size;
+            const char *kr = (const char *)(k_cache + (slot * Hkv + kvh) * D), *vr = (const char *)(v_cache + (slot * Hkv + kvh) * D);
+            for (int64_t b = 0; b < D * 2; b += 64) _mm_prefetch(kr + b, _MM_HINT_T0), _mm_prefetch(vr + b, _MM_HINT_T0);
+        }
         __mmask16 visible[PA_KEYS];
-        for (int64_t j = 0; j < PA_KEYS; j++)
+        for (int64_t j = 0; j < nu; j++)
             visible[j] = j < nk ? _mm512_cmpge_epi32_mask(posv, _mm512_set1_epi32((int)(j0 + j))) : 0;
         for (int64_t g = 0; g < G; g++) {
             __m512 s[PA_KEYS];
-            for (int64_t j = 0; j < PA_KEYS; j += PA_SCORE_KEYS)
+            for (int64_t j = 0; j < nu; j += PA_SCORE_KEYS)
                 chunk_scores(sc->qp + g * (D / 2) * PA_ROWS, sc->kc + j * PA_MAX_D, D, s + j);
             const __m512 m = _mm512_loadu_ps(sc->m + g * PA_ROWS);
             __m512 mnew = m;
-            for (int64_t j = 0; j < PA_KEYS; j++) {
+            for (int64_t j = 0; j < nu; j++) {
                 s[j] = _mm512_mask_mul_ps(neg_inf, visible[j], s[j], scalev);
                 mnew = _mm512_max_ps(mnew, s[j]);
             }
             const __m512 alpha = exp512_ps(_mm512_sub_ps(m, mnew));  /* m = -inf at first: ~0, times zeros */
             __m512 sum = _mm512_setzero_ps();
-            for (int64_t j = 0; j < PA_KEYS; j++) {
+            for (int64_t j = 0; j < nu; j++) {
                 s[j] = _mm512_maskz_mov_ps(visible[j], exp512_ps(_mm512_sub_ps(s[j], mnew)));
                 sum = _mm512_add_ps(sum, s[j]);
             }
             _mm512_storeu_ps(sc->l + g * PA_ROWS, _mm512_fmadd_ps(_mm512_loadu_ps(sc->l + g * PA_ROWS), alpha, sum));
             _mm512_storeu_ps(sc->m + g * PA_ROWS, mnew);
-            float p[PA_KEYS][PA_ROWS], alphas[PA_ROWS];  /* p[j][r] = P[r][j] */
-            for (int64_t j = 0; j < PA_KEYS; j++) _mm512_storeu_ps(p[j], s[j]);
+            float alphas[PA_ROWS];
             _mm512_storeu_ps(alphas, alpha);
-            chunk_values(sc->ot + g * PA_ROWS * D, sc->vf, &p[0][0], alphas, D);
+            if (p_bf16) {
+                uint32_t p2[PA_KEYS / 2][PA_ROWS];  /* p2[j/2][r] = P[r][j], P[r][j+1] as a bf16 pair */
+                for (int64_t jp = 0; jp < nu / 2; jp++)  /* both keys' 16 rows rounded (RNE), then interleaved */
+                    _mm512_storeu_si512(p2[jp], _mm512_permutexvar_epi16(interleave,
+                                        (__m512i)_mm512_cvtne2ps_pbh(s[2 * jp + 1], s[2 * jp])));
+                chunk_pairs(sc->ot + g * PA_ROWS * D, (const uint32_t *)sc->vf, &p2[0][0], alphas, D, nu / 2);
+            } else {
+                float p[PA_KEYS][PA_ROWS];  /* p[j][r] = P[r][j] */
+                for (int64_t j = 0; j < nu; j++) _mm512_storeu_ps(p[j], s[j]);
+                chunk_values(sc->ot + g * PA_ROWS * D, sc->vf, &p[0][0], alphas, D, nu);
+            }
         }
     }
     for (int64_t g = 0; g < G; g++) {
@@ -402,7 +490,7 @@ int prefill_attention_dpbf16_supported(void) { return DPBF16; }
 int prefill_attention_dpbf16(const uint16_t *q, void *out, int out_bf16, const uint16_t *k_cache,
                              const uint16_t *v_cache, const int32_t *block_tables, int64_t bt_stride,
                              const int32_t *cu_seqlens_q, const int32_t *context_lens, int64_t num_seqs, int64_t H,
-                             int64_t Hkv, int64_t D, int64_t block_size, float scale, int num_threads) {
+                             int64_t Hkv, int64_t D, int64_t block_size, float scale, int p_bf16, int num_threads) {
 #if DPBF16
     if (D % 16 || D > PA_MAX_D) return 1;
     int64_t tiles = 0;
@@ -441,7 +529,7 @@ int prefill_attention_dpbf16(const uint16_t *q, void *out, int out_bf16, const u
                 const int64_t nq = end - t0 < PA_ROWS ? end - t0 : PA_ROWS;
                 const int64_t pos0 = context_lens[s] - (end - cu_seqlens_q[s]) + (t0 - cu_seqlens_q[s]);
                 prefill_tile(q, out, out_bf16, k_cache, v_cache, block_tables + s * bt_stride, block_size, H, Hkv, D,
-                             t0, nq, pos0, kvh, scale, &sc);
+                             t0, nq, pos0, kvh, scale, p_bf16, &sc);
             }
         }
         free(sc.qp), free(sc.kc), free(sc.vf), free(sc.ot), free(sc.m), free(sc.l);
@@ -451,7 +539,7 @@ int prefill_attention_dpbf16(const uint16_t *q, void *out, int out_bf16, const u
 #else
     (void)q; (void)out; (void)out_bf16; (void)k_cache; (void)v_cache; (void)block_tables; (void)bt_stride;
     (void)cu_seqlens_q; (void)context_lens; (void)num_seqs; (void)H; (void)Hkv; (void)D; (void)block_size;
-    (void)scale; (void)num_threads;
+    (void)scale; (void)p_bf16; (void)num_threads;
     return 1;
 #endif
 }

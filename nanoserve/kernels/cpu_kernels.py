@@ -61,7 +61,7 @@ SIGNATURES = {
     "pack_dpbf16_panels": [_P, _I64, _I64, _P, _I32],
     "dpbf16_gemm": [_P, _I64, _I64, _P, _I64, _P, _P, _I32, _I32],
     "prefill_attention_dpbf16_supported": [],
-    "prefill_attention_dpbf16": [_P, _P, _I32, _P, _P, _P, _I64, _P, _P] + [_I64] * 5 + [_F, _I32],
+    "prefill_attention_dpbf16": [_P, _P, _I32, _P, _P, _P, _I64, _P, _P] + [_I64] * 5 + [_F, _I32, _I32],
     "set_w4a8_vnni": [_I32],
     "int8_gemm_vnni": [_P, _I64, _I64, _P, _P, _P, _I64, _I64, _P, _P, _I32, _I32],
     "peak_loop_fma_f32": [_I64, _I32],

@@ -16,6 +16,18 @@ static inline __m256i f32x16_to_bf16(__m512 v) {
     return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40))));
 }
 
+/* 16 float32 lanes rounded to bf16 as f32x16_to_bf16 does, left in float32 (what a bf16 op's output
+   reads back as): the rounding without the narrowing and widening */
+static inline __m512 round_bf16_ps(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v), high = _mm512_set1_epi32((int)0xffff0000);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), high);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    const __m512i quiet = _mm512_and_si512(_mm512_or_si512(u, _mm512_set1_epi32(0x400000)), high);
+    return _mm512_castsi512_ps(_mm512_mask_mov_epi32(rounded, nan, quiet));
+}
+
 /* 16 bf16 values widened to float32 (a bf16 value is a float32's high half) */
 static inline __m512 bf16x16_to_f32(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
@@ -36,8 +48,7 @@ static inline __m512 exp512_ps(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+    return _mm512_scalef_ps(p, k);  /* p * 2^k in one op (k >= -126 after the clamp: exact, as a built exponent) */
 }
 #endif
 #endif
