@@ -636,33 +636,40 @@ static inline int32_t quantize_block(const float *xr, int64_t k0, int64_t k1, fl
    Of the rest, per run of `scale_blocks` blocks (every block of a run gets the run's scale, so that
    a GEMM sums the run in int32 before it scales it): scale = amax / 127, xq = round-half-even(x *
    (127 / amax)). The mean is summed in double so that the PyTorch reference decides alike. */
+/* One row of quantize_blocks_int8: block b's 32 bytes at q + b * q_stride, its scale at s[b * s_stride]
+   (a row-major [M, Kp] or the VNNI tiles' layout); xg, on, ok, ov the row's own. */
+static void quantize_row_int8(const float *xr, int64_t K, int64_t B, int64_t G, int64_t group, double outlier,
+                              int64_t scale_blocks, int8_t *q, int64_t q_stride, float *s, int64_t s_stride, float *xg,
+                              int32_t *on, int32_t *ok, float *ov) {
+    float below[B], amax[B]; /* B: a few KiB at most */
+    int n_out = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t k0 = b * W4_BLOCK, k1 = k0 + W4_BLOCK < K ? k0 + W4_BLOCK : K;
+        amax[b] = block_outliers(xr, k0, k1, outlier, ok, ov, &n_out, &below[b]);
+    }
+    for (int64_t b0 = 0; b0 < B; b0 += scale_blocks)  /* each run of blocks takes its largest amax */
+        for (int64_t b = b0 + 1; b < b0 + scale_blocks && b < B; b++) amax[b0] = fmaxf(amax[b0], amax[b]);
+    for (int64_t g = 0; g < G; g++) xg[g] = 0.0f;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t k0 = b * W4_BLOCK, k1 = k0 + W4_BLOCK < K ? k0 + W4_BLOCK : K;
+        const float a = amax[b - b % scale_blocks];
+        const float inv = a > 0.0f ? 127.0f / a : 0.0f, scale = a / 127.0f;
+        const int32_t sum = quantize_block(xr, k0, k1, below[b], inv, q + b * q_stride);
+        s[b * s_stride] = scale;
+        xg[k0 / group] += scale * (float)sum;
+    }
+    *on = n_out;
+}
+
 void quantize_blocks_int8(const float *x, int64_t M, int64_t K, int64_t Kp, int64_t group, double outlier,
                           int64_t scale_blocks, int8_t *xq, float *xs, float *xg, int32_t *on, int32_t *ok, float *ov,
                           int num_threads) {
     const int64_t B = Kp / W4_BLOCK, G = (K + group - 1) / group, E = B * W4_MAX_OUTLIERS;
     if (scale_blocks < 1) scale_blocks = 1;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (M * K > 32768)
-    for (int64_t m = 0; m < M; m++) {
-        const float *xr = x + m * K;
-        float below[B], amax[B]; /* B: a few KiB at most */
-        int n_out = 0;
-        for (int64_t b = 0; b < B; b++) {
-            const int64_t k0 = b * W4_BLOCK, k1 = k0 + W4_BLOCK < K ? k0 + W4_BLOCK : K;
-            amax[b] = block_outliers(xr, k0, k1, outlier, ok + m * E, ov + m * E, &n_out, &below[b]);
-        }
-        for (int64_t b0 = 0; b0 < B; b0 += scale_blocks)  /* each run of blocks takes its largest amax */
-            for (int64_t b = b0 + 1; b < b0 + scale_blocks && b < B; b++) amax[b0] = fmaxf(amax[b0], amax[b]);
-        for (int64_t g = 0; g < G; g++) xg[m * G + g] = 0.0f;
-        for (int64_t b = 0; b < B; b++) {
-            const int64_t k0 = b * W4_BLOCK, k1 = k0 + W4_BLOCK < K ? k0 + W4_BLOCK : K;
-            const float a = amax[b - b % scale_blocks];
-            const float inv = a > 0.0f ? 127.0f / a : 0.0f, scale = a / 127.0f;
-            const int32_t sum = quantize_block(xr, k0, k1, below[b], inv, xq + m * Kp + k0);
-            xs[m * B + b] = scale;
-            xg[m * G + k0 / group] += scale * (float)sum;
-        }
-        on[m] = n_out;
-    }
+    for (int64_t m = 0; m < M; m++)
+        quantize_row_int8(x + m * K, K, B, G, group, outlier, scale_blocks, xq + m * Kp, W4_BLOCK, xs + m * B, 1,
+                          xg + m * G, on + m, ok + m * E, ov + m * E);
 }
 
 /* A panel's group scales and offsets sit one row of [groups][Np] apart (Np * 4 bytes: 16-24 KiB for
@@ -821,35 +828,58 @@ static inline __m512 vnni_row_finish(__m512 acc, const int bits, int64_t m, cons
     return acc;
 }
 
-/* The quantized activations rearranged for the tiles: per tile of VNNI_ROWS rows and block of 32
-   inputs, the rows' 32 bytes one after another (xt [tiles][B][VNNI_ROWS][32]), and their blocks'
+/* quantize_blocks_int8 straight into the tiles' layout: per tile of VNNI_ROWS rows and block of 32
+   inputs, the rows' 32 bytes one after another (xt [tiles][B][VNNI_ROWS][32]) and their blocks'
    scales (xst [tiles][B][VNNI_ROWS]; a run of blocks shares one); rows past M zero (the asm tiles
-   compute them). Row-major, the tile's eight row pointers and
-   the weights' took more general registers than there are, and GCC spilled them in the inner loop. */
-static void vnni_tile_rows(const int8_t *xq, const float *xs, int64_t M, int64_t Kp, int8_t *xt, float *xst,
-                           int num_threads) {
-    const int64_t B = Kp / W4_BLOCK, tiles = (M + VNNI_ROWS - 1) / VNNI_ROWS;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * Kp > 65536)
-    for (int64_t t = 0; t < tiles; t++) {
-        for (int64_t b = 0; b < B; b++) {
-            for (int64_t r = 0; r < VNNI_ROWS; r++) {
-                const int64_t m = t * VNNI_ROWS + r, at = (t * B + b) * VNNI_ROWS + r;
-                if (m < M) {
-                    memcpy(xt + at * W4_BLOCK, xq + m * Kp + b * W4_BLOCK, W4_BLOCK);
-                    xst[at] = xs[m * B + b];
-                } else {
-                    memset(xt + at * W4_BLOCK, 0, W4_BLOCK);
-                    xst[at] = 0.0f;
-                }
-            }
+   compute them). bf16 x is widened a row at a time. Row-major, the tile's row pointers and the
+   weights' took more general registers than there are (GCC spilled them in the inner loop); a
+   separate rearranging pass, and a float32 copy of bf16 x, cost ~5% of a 256-row GEMM. 1 without
+   memory. */
+static int quantize_tiles_int8(const void *x, int x_bf16, int64_t M, int64_t K, int64_t Kp, int64_t group,
+                               double outlier, int64_t scale_blocks, int8_t *xt, float *xst, float *xg, int32_t *on,
+                               int32_t *ok, float *ov, int num_threads) {
+    const int64_t B = Kp / W4_BLOCK, G = (K + group - 1) / group, E = B * W4_MAX_OUTLIERS;
+    const int64_t tiles = (M + VNNI_ROWS - 1) / VNNI_ROWS, tile_bytes = B * VNNI_ROWS * W4_BLOCK;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (M * K > 32768)
+    {
+        float *row = x_bf16 ? malloc(sizeof(float) * (size_t)K) : NULL;
+        if (x_bf16 && row == NULL) {
+#pragma omp atomic write
+            failed = 1;
         }
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < tiles * VNNI_ROWS; m++) {
+            int8_t *q = xt + (m / VNNI_ROWS) * tile_bytes + (m % VNNI_ROWS) * W4_BLOCK;
+            float *s = xst + (m / VNNI_ROWS) * B * VNNI_ROWS + m % VNNI_ROWS;
+            if (m >= M) {  /* a last tile's rows past M */
+                for (int64_t b = 0; b < B; b++) memset(q + b * VNNI_ROWS * W4_BLOCK, 0, W4_BLOCK), s[b * VNNI_ROWS] = 0.0f;
+                continue;
+            }
+            const float *xr = (const float *)x + m * K;
+            if (x_bf16) {
+                if (row == NULL) continue;
+                const uint16_t *xb = (const uint16_t *)x + m * K;
+                int64_t k = 0;
+                for (; k + 16 <= K; k += 16) _mm512_storeu_ps(row + k, bf16x16_to_f32(xb + k));
+                for (; k < K; k++) {
+                    const uint32_t bits = (uint32_t)xb[k] << 16;
+                    memcpy(row + k, &bits, 4);
+                }
+                xr = row;
+            }
+            quantize_row_int8(xr, K, B, G, group, outlier, scale_blocks, q, VNNI_ROWS * W4_BLOCK, s, VNNI_ROWS,
+                              xg + m * G, on + m, ok + m * E, ov + m * E);
+        }
+        free(row);
     }
+    return failed;
 }
 
 /* A tile against one panel of `bits`-bit weights, all VNNI_ROWS rows (half: the first 8, two int32
    chains a row so that vpdpbusd's latency stays covered; rows past M are zero in xb): its float32
    sums into facc, scaled per run of `run` blocks (xst: the run's activation scales per row, as
-   vnni_tile_rows laid them out; gscale: the weight group's column scales, or NULL per channel).
+   quantize_tiles_int8 laid them out; gscale: the weight group's column scales, or NULL per channel).
    vpdpbusd with each row's 4 inputs broadcast from memory ({1to16}) is one instruction a row and
    step, its accumulator tied to a register: through the intrinsic's destructive operand, GCC copied
    all sixteen accumulators every step (the tile ran at ~50% of vpdpbusd's peak). */
@@ -952,7 +982,7 @@ VNNI_ASM_TILE(vnni_tile8_w4, 4, 1)
 #undef VNNI_DP8
 #undef VNNI_DP
 
-/* Rows m0 .. m0+mb-1 (m0 a multiple of VNNI_ROWS) of the quantized x, as vnni_tile_rows laid them
+/* Rows m0 .. m0+mb-1 (m0 a multiple of VNNI_ROWS) of the quantized x, as quantize_tiles_int8 laid them
    out, against one panel of `bits`-bit weights (4: W4A8's panel, 8: the int8 one). Named
    accumulators, as in the AVX2 tiles. */
 static inline __attribute__((always_inline)) void vnni_tile(const int mb, const int bits, const int8_t *xq,
@@ -965,7 +995,7 @@ static inline __attribute__((always_inline)) void vnni_tile(const int mb, const 
                                                              void *y, const int y_bf16) {
     const uint8_t *panel = (const uint8_t *)panel_bytes_;
     const int64_t B = Kp / W4_BLOCK, E = B * W4_MAX_OUTLIERS, block_bytes = W4_BLOCK * I8_PANEL * bits / 8;
-    /* this tile's activations, block by block (vnni_tile_rows): one pointer, constant offsets */
+    /* this tile's activations, block by block (quantize_tiles_int8): one pointer, constant offsets */
     const int8_t *xt = xq + (m0 / VNNI_ROWS) * B * VNNI_ROWS * W4_BLOCK;
     const float *xst = xs + (m0 / VNNI_ROWS) * B * VNNI_ROWS;
     const int64_t per_group = G == 1 ? B : group / W4_BLOCK;
@@ -1109,15 +1139,14 @@ void set_w4a8_vnni(int on) { w4a8_vnni = on && VNNI; }
    for the AVX2 W4A8 tile (the same bits). 8 bits: one scale per VNNI_SCALE_BLOCKS blocks (outliers
    still found per block of 32). Returns 1 without VNNI, 2 without memory for the quantized
    activations. */
-static int vnni_gemm_f32(const float *x, int64_t M, int64_t K, const int8_t *panels, const float *scales,
-                         const float *offsets, int64_t group, const int bits, int64_t N, const float *bias, void *y,
-                         const int y_bf16, int num_threads) {
+static int vnni_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const int8_t *panels, const float *scales,
+                     const float *offsets, int64_t group, const int bits, int64_t N, const float *bias, void *y,
+                     const int y_bf16, int num_threads) {
 #if VNNI
     const int64_t Kp = (K + W4_BLOCK - 1) / W4_BLOCK * W4_BLOCK, B = Kp / W4_BLOCK, E = B * W4_MAX_OUTLIERS;
     const int64_t Np = (N + I8_PANEL - 1) / I8_PANEL * I8_PANEL;
     const int64_t G = (K + group - 1) / group, panel_bytes = Kp * I8_PANEL * bits / 8;
-    int8_t *xq = malloc((size_t)(M * Kp));
-    float *xs = malloc((size_t)(M * B) * sizeof(float)), *xg = malloc((size_t)(M * G) * sizeof(float));
+    float *xg = malloc((size_t)(M * G) * sizeof(float));
     float *ov = malloc((size_t)(M * E) * sizeof(float));
     int32_t *on = malloc((size_t)M * sizeof(int32_t)), *ok = malloc((size_t)(M * E) * sizeof(int32_t));
     const int64_t Mt = (M + VNNI_ROWS - 1) / VNNI_ROWS * VNNI_ROWS;
@@ -1127,10 +1156,9 @@ static int vnni_gemm_f32(const float *x, int64_t M, int64_t K, const int8_t *pan
     const int64_t per_group = G == 1 ? B : group / W4_BLOCK;
     const int64_t run = bits == 8 && (G == 1 || per_group % VNNI_SCALE_BLOCKS == 0) ? VNNI_SCALE_BLOCKS : 1;
     int rc = 2;
-    if (xq == NULL || xs == NULL || xg == NULL || ov == NULL || on == NULL || ok == NULL || xt == NULL || xst == NULL)
+    if (xg == NULL || ov == NULL || on == NULL || ok == NULL || xt == NULL || xst == NULL ||
+        quantize_tiles_int8(x, x_bf16, M, K, Kp, group, W4_OUTLIER, run, xt, xst, xg, on, ok, ov, num_threads))
         goto done;
-    quantize_blocks_int8(x, M, K, Kp, group, W4_OUTLIER, run, xq, xs, xg, on, ok, ov, num_threads);
-    vnni_tile_rows(xq, xs, M, Kp, xt, xst, num_threads);
     if (bits == 8)
         I8_DRIVE_TILES(VNNI_ROW_TILES, vnni_tile_w8, xt, xst, xg, on, ok, ov, m0, Kp, G, run, panel, scales, offsets, Np,
                        group, n0, nn, N, bias, y, y_bf16);
@@ -1139,35 +1167,20 @@ static int vnni_gemm_f32(const float *x, int64_t M, int64_t K, const int8_t *pan
                        group, n0, nn, N, bias, y, y_bf16);
     rc = 0;
 done:
-    free(xq), free(xs), free(xg), free(ov), free(on), free(ok), free(xt), free(xst);
+    free(xg), free(ov), free(on), free(ok), free(xt), free(xst);
     return rc;
 #else
-    (void)bits; (void)x; (void)M; (void)K; (void)panels; (void)scales; (void)offsets; (void)group; (void)N;
+    (void)bits; (void)x; (void)x_bf16; (void)M; (void)K; (void)panels; (void)scales; (void)offsets; (void)group; (void)N;
     (void)bias; (void)y; (void)y_bf16; (void)num_threads;
     return 1;
 #endif
-}
-
-/* vnni_gemm_f32 on float32 or bf16 x and y (io: IO_* flags of cpu_kernels.c): bf16 x widened first
-   (its quantization reads float32), bf16 y written by the tiles themselves (a float32 y converted
-   after the GEMM took a third of its time at 16 rows). 2 without memory. */
-static int vnni_gemm(const void *x, int64_t M, int64_t K, const int8_t *panels, const float *scales,
-                     const float *offsets, int64_t group, const int bits, int64_t N, const float *bias, void *y, int io,
-                     int num_threads) {
-    const int x_bf16 = io & 1, y_bf16 = (io & 2) != 0;  /* IO_X_BF16, IO_Y_BF16 */
-    const float *xf;
-    float *unused;
-    if (bf16_io_begin(x, y, M, K, N, x_bf16, &xf, &unused, num_threads)) return 2;
-    const int rc = vnni_gemm_f32(xf, M, K, panels, scales, offsets, group, bits, N, bias, y, y_bf16, num_threads);
-    bf16_io_end(x, y, M, N, x_bf16, xf, unused, num_threads);
-    return rc;
 }
 
 /* int8 weights (u = q + 128) through VNNI, on float32 or bf16 x and y (io: IO_* flags). group: a
    multiple of 32, or >= K. */
 int int8_gemm_vnni(const void *x, int64_t M, int64_t K, const int8_t *panels, const float *scales,
                    const float *offsets, int64_t group, int64_t N, const float *bias, void *y, int io, int num_threads) {
-    return vnni_gemm(x, M, K, panels, scales, offsets, group, 8, N, bias, y, io, num_threads);
+    return vnni_gemm(x, io & 1, M, K, panels, scales, offsets, group, 8, N, bias, y, (io & 2) != 0, num_threads);
 }
 
 /* y[M, N] = x[M, K] . ((q - z) * s)^T (+ bias), x and y float32: x quantized here by
@@ -1204,7 +1217,7 @@ done:
 /* int4_gemm_w4a8 on float32 or bf16 x and y (io: IO_* flags). */
 int int4_gemm_w4a8(const void *x, int64_t M, int64_t K, const int8_t *panels, const float *scales,
                    const float *offsets, int64_t group, int64_t N, const float *bias, void *y, int io, int num_threads) {
-    if (w4a8_vnni) return vnni_gemm(x, M, K, panels, scales, offsets, group, 4, N, bias, y, io, num_threads);
+    if (w4a8_vnni) return vnni_gemm(x, io & 1, M, K, panels, scales, offsets, group, 4, N, bias, y, (io & 2) != 0, num_threads);
     BF16_IO_ENTRY(int4_gemm_w4a8_f32, M, K, panels, scales, offsets, group, N, bias);
 }
 

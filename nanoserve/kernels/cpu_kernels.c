@@ -372,6 +372,20 @@ static inline void four_rows(const uint16_t *cache, const int32_t *table, int64_
     }
 }
 
+#ifndef DECODE_PREFETCH_KEYS
+#define DECODE_PREFETCH_KEYS 16
+#endif
+/* keys j0+DECODE_PREFETCH_KEYS .. +3's rows (first KV head kv0, `bytes` each) requested ahead */
+static inline void prefetch_keys(const uint16_t *cache, const int32_t *table, int64_t j0, int64_t nkeys,
+                                 int64_t block_size, int64_t num_kv_heads, int64_t kv0, int64_t head_dim,
+                                 int64_t bytes) {
+    for (int64_t j = j0 + DECODE_PREFETCH_KEYS; j < j0 + DECODE_PREFETCH_KEYS + 4 && j < nkeys; j++) {
+        const int64_t slot = (int64_t)table[j / block_size] * block_size + j % block_size;
+        const char *row = (const char *)(cache + (slot * num_kv_heads + kv0) * head_dim);
+        for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_NTA);
+    }
+}
+
 /* QK^T of one decode work item over a bf16 cache: scores[r * max_keys + j] for its rows query
    heads (qs, scaled) and keys 0..nkeys-1, four keys and two heads at a time. */
 static void decode_scores_bf16(const float *qs, const uint16_t *k_cache, const int32_t *table, int64_t nkeys,
@@ -381,6 +395,7 @@ static void decode_scores_bf16(const float *qs, const uint16_t *k_cache, const i
     for (int64_t j0 = 0; j0 < nkeys; j0 += 4) {
         const uint16_t *rows[4];  /* scores of a short block's repeated last key are dropped */
         four_rows(k_cache, table, j0, nkeys, block_size, num_kv_heads, kv0, head_dim, rows);
+        prefetch_keys(k_cache, table, j0, nkeys, block_size, num_kv_heads, kv0, head_dim, kv_per_item * head_dim * 2);
         const int64_t nk = nkeys - j0 < 4 ? nkeys - j0 : 4;
         for (int64_t h = 0; h < kv_per_item; h++) {
             const int64_t koff = h * head_dim;
@@ -420,6 +435,7 @@ static void decode_values_bf16(const float *scores, const uint16_t *v_cache, con
         const uint16_t *rows[4];  /* a short block's repeated last row gets weight 0 */
         const int64_t nk = nkeys - j0 < 4 ? nkeys - j0 : 4;
         four_rows(v_cache, table, j0, nkeys, block_size, num_kv_heads, kv0, head_dim, rows);
+        prefetch_keys(v_cache, table, j0, nkeys, block_size, num_kv_heads, kv0, head_dim, kv_per_item * head_dim * 2);
         for (int64_t h = 0; zmm && h < kv_per_item; h++) {
 #if DECODE_ZMM  /* the same, 32 values of a row at a time (acc in the 32-value even/odd order) */
             const __m512i odd16 = _mm512_set1_epi32((int)0xffff0000);
