@@ -218,7 +218,8 @@ int dpbf16_gemm(const uint16_t *x, int64_t M, int64_t K, const uint16_t *panels,
 /* vector over the 16 queries) = sum over input pairs of the queries' pair times key j's pair,     */
 /* broadcast; the online softmax is then lane-wise (each query its own max and sum), with no       */
 /* horizontal reduction; O[r] (16 values of d a vector) += P[r][j] broadcast . V[j] (float32 FMAs  */
-/* over the widened value rows: P is not rounded).                                                  */
+/* over the widened value rows, P not rounded; or, for pooling engines, P rounded to bf16 and two   */
+/* keys a vdpbf16ps: chunk_pairs).                                                                  */
 #if DPBF16
 #define PA_ROWS 16 /* query tokens per work item */
 #define PA_KEYS 32 /* keys per chunk: the output rows are loaded and stored once per chunk */
@@ -230,7 +231,7 @@ int dpbf16_gemm(const uint16_t *x, int64_t M, int64_t K, const uint16_t *panels,
 typedef struct {    /* per thread; G query heads share a KV head */
     uint32_t *qp;  /* [G][D / 2][PA_ROWS] the queries' input pairs */
     uint16_t *kc;  /* [PA_KEYS][PA_MAX_D] the chunk's key rows */
-    float *vf;     /* [PA_KEYS][PA_MAX_D] the chunk's value rows, float32 */
+    float *vf;     /* [PA_KEYS][PA_MAX_D] the chunk's value rows, float32 (p_bf16: key pairs, copy_values) */
     float *ot;     /* [G][PA_ROWS][D] the output rows */
     float *m, *l;  /* [G][PA_ROWS] each query's running max and sum */
 } PrefillScratch;
@@ -253,7 +254,7 @@ static __attribute__((noinline)) void chunk_scores(const uint32_t *qp, const uin
 
 /* O[r] = O[r] * alpha[r] + sum over the chunk's keys j of P[r][j] . V[j], 16 values of d at a time:
    the 16 rows' sums in registers, each key's (widened) V vector loaded once for all of them, each
-   row's P broadcast from memory (p[j][r]). P stays float32, as the reference's softmax leaves it:
+   row's P broadcast from memory (p[j][r]). Here P stays float32, as the reference's softmax leaves it:
    rounded to bf16 for vdpbf16ps it moved greedy tokens off HF's bf16 model where the top two
    logits were 0.03 apart. */
 /* Rows r0 .. r0+7, values d .. d+31: 8 rows x 2 vectors of sums in registers, so each key's two V

@@ -856,8 +856,10 @@ static int quantize_tiles_int8(const void *x, int x_bf16, int64_t M, int64_t K, 
                 for (int64_t b = 0; b < B; b++) memset(q + b * VNNI_ROWS * W4_BLOCK, 0, W4_BLOCK), s[b * VNNI_ROWS] = 0.0f;
                 continue;
             }
-            const float *xr = (const float *)x + m * K;
-            if (x_bf16) {
+            const float *xr = row;
+            if (!x_bf16) {
+                xr = (const float *)x + m * K;
+            } else {
                 if (row == NULL) continue;
                 const uint16_t *xb = (const uint16_t *)x + m * K;
                 int64_t k = 0;
@@ -866,7 +868,6 @@ static int quantize_tiles_int8(const void *x, int x_bf16, int64_t M, int64_t K, 
                     const uint32_t bits = (uint32_t)xb[k] << 16;
                     memcpy(row + k, &bits, 4);
                 }
-                xr = row;
             }
             quantize_row_int8(xr, K, B, G, group, outlier, scale_blocks, q, VNNI_ROWS * W4_BLOCK, s, VNNI_ROWS,
                               xg + m * G, on + m, ok + m * E, ov + m * E);

@@ -340,7 +340,7 @@ VNNI_SCALE_BLOCKS = 2  # int8 weights: one activation scale per 2 blocks of 32 i
 
 def vnni_scale_blocks(group: int, in_features: int) -> int:
     """Blocks per activation scale of the int8 VNNI kernel: VNNI_SCALE_BLOCKS where no scale run would
-    span two weight groups, else one (as vnni_gemm_f32 decides)."""
+    span two weight groups, else one (as cpu_int8.c's vnni_gemm decides)."""
     per_group = group // W4A8_BLOCK
     return VNNI_SCALE_BLOCKS if group >= in_features or per_group % VNNI_SCALE_BLOCKS == 0 else 1
 

@@ -385,7 +385,7 @@ static inline void prefetch_keys(const uint16_t *cache, const int32_t *table, in
     for (int64_t j = j0 + DECODE_PREFETCH_KEYS; j < j0 + DECODE_PREFETCH_KEYS + 4 && j < nkeys; j++) {
         const int64_t slot = (int64_t)table[j / block_size] * block_size + j % block_size;
         const char *row = (const char *)(cache + (slot * num_kv_heads + kv0) * head_dim);
-        for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_NTA);
+        for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 0, 0);  /* any target (NTA on x86) */
     }
 }
 
