@@ -81,14 +81,25 @@ def test_decode_kernel_splits_kv_heads_for_few_sequences():
 @pytest.mark.parametrize("name", ["gqa2_mixed", "gqa3_block6_d24", "qwen3_shape_multi_tile", "gqa3_d64"])
 def test_decode_kernel_bf16_io_is_the_float32_result_rounded(name):
     # bf16 q/out are read and written inside the kernel: bit for bit the float32 call's output
-    # rounded to bf16 (what the conversions around the call used to do).
+    # rounded to bf16 (what the conversions around the call used to do). On AVX512-BF16 a bf16 q
+    # takes the vdpbf16ps loops (head_dim % 32 == 0), whose float32 sums differ in the last bits:
+    # there a rare output one bf16 step off, where the float32 value sits on a rounding boundary.
     seqs, heads, kv_heads, head_dim, block_size = CASES[name]
     b = make_paged_batch([(1, ctx) for _, ctx in seqs], heads, kv_heads, head_dim, block_size, dtype=torch.bfloat16)
     plan = ca.decode_plan(b["block_tables"], b["context_lens"])
     as_float = ca.paged_attention_decode_cpu(LIB, b["q"].float(), b["k_cache"], b["v_cache"], plan, b["scale"])
     got = decode_cpu(b)
     assert as_float.dtype == torch.float32 and got.dtype == torch.bfloat16
-    assert torch.equal(got, as_float.to(torch.bfloat16))
+    rounded = as_float.to(torch.bfloat16)
+    if not (LIB.decode_dpbf16_supported() and head_dim % 32 == 0):
+        assert torch.equal(got, rounded)
+        return
+    off = got != rounded
+    assert off.float().mean() < 0.01
+    one_step = torch.finfo(torch.bfloat16).eps * as_float.abs().clamp_min(2 ** -126)  # 2^-7 relative: a step
+    assert ((got.float() - rounded.float()).abs() <= one_step)[off].all()
+    # and within float32 rounding of the float32-q call
+    torch.testing.assert_close(got.float(), as_float, atol=1e-6, rtol=2 ** -8)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
