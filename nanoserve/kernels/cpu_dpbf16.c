@@ -259,13 +259,18 @@ static __attribute__((noinline)) void chunk_scores(const uint32_t *qp, const uin
    logits were 0.03 apart. */
 /* Rows r0 .. r0+7, values d .. d+31: 8 rows x 2 vectors of sums in registers, so each key's two V
    vectors and 8 P broadcasts (10 loads) feed 16 FMAs, where 16 rows x 1 vector took 17 loads */
+/* An 8-row x 32-value block's output sums into registers o<r>a, o<r>b, rescaled by the rows' alpha
+   (the online softmax's correction), and back: shared by the float32 and the bf16-P loops */
+#define PA_LOAD(r) __m512 o##r##a = _mm512_mul_ps(_mm512_loadu_ps(o + (r) * D), _mm512_set1_ps(alpha[r0 + (r)])), \
+                          o##r##b = _mm512_mul_ps(_mm512_loadu_ps(o + (r) * D + 16), _mm512_set1_ps(alpha[r0 + (r)]));
+#define PA_ROWS8_LOAD PA_LOAD(0) PA_LOAD(1) PA_LOAD(2) PA_LOAD(3) PA_LOAD(4) PA_LOAD(5) PA_LOAD(6) PA_LOAD(7)
+#define PA_STORE(r) _mm512_storeu_ps(o + (r) * D, o##r##a), _mm512_storeu_ps(o + (r) * D + 16, o##r##b);
+#define PA_ROWS8_STORE PA_STORE(0) PA_STORE(1) PA_STORE(2) PA_STORE(3) PA_STORE(4) PA_STORE(5) PA_STORE(6) PA_STORE(7)
+
 static inline void chunk_values_8x32(float *ot, const float *vf, const float *p, const float *alpha, int64_t D,
                                      int nkeys, int r0, int64_t d) {
     float *o = ot + r0 * D + d;
-#define PA_LOAD(r) __m512 o##r##a = _mm512_mul_ps(_mm512_loadu_ps(o + (r) * D), _mm512_set1_ps(alpha[r0 + (r)])), \
-                          o##r##b = _mm512_mul_ps(_mm512_loadu_ps(o + (r) * D + 16), _mm512_set1_ps(alpha[r0 + (r)]));
-    PA_LOAD(0) PA_LOAD(1) PA_LOAD(2) PA_LOAD(3) PA_LOAD(4) PA_LOAD(5) PA_LOAD(6) PA_LOAD(7)
-#undef PA_LOAD
+    PA_ROWS8_LOAD
     for (int j = 0; j < nkeys; j++) {
         const __m512 va = _mm512_loadu_ps(vf + j * PA_MAX_D + d), vb = _mm512_loadu_ps(vf + j * PA_MAX_D + d + 16);
         const float *pj = p + j * PA_ROWS + r0;
@@ -274,9 +279,7 @@ static inline void chunk_values_8x32(float *ot, const float *vf, const float *p,
         PA_PV(0) PA_PV(1) PA_PV(2) PA_PV(3) PA_PV(4) PA_PV(5) PA_PV(6) PA_PV(7)
 #undef PA_PV
     }
-#define PA_STORE(r) _mm512_storeu_ps(o + (r) * D, o##r##a), _mm512_storeu_ps(o + (r) * D + 16, o##r##b);
-    PA_STORE(0) PA_STORE(1) PA_STORE(2) PA_STORE(3) PA_STORE(4) PA_STORE(5) PA_STORE(6) PA_STORE(7)
-#undef PA_STORE
+    PA_ROWS8_STORE
 }
 
 static __attribute__((noinline)) void chunk_values(float *ot, const float *vf, const float *p, const float *alpha,
@@ -286,10 +289,10 @@ static __attribute__((noinline)) void chunk_values(float *ot, const float *vf, c
         chunk_values_8x32(ot, vf, p, alpha, D, nkeys, 0, d), chunk_values_8x32(ot, vf, p, alpha, D, nkeys, 8, d);
     for (; d < D; d += 16) {  /* a last 16 values (D % 32 == 16): all 16 rows at once */
         float *o = ot + d;
-#define PA_LOAD(r) __m512 o##r = _mm512_mul_ps(_mm512_loadu_ps(o + (r) * D), _mm512_set1_ps(alpha[r]));
-        PA_LOAD(0) PA_LOAD(1) PA_LOAD(2) PA_LOAD(3) PA_LOAD(4) PA_LOAD(5) PA_LOAD(6) PA_LOAD(7)
-        PA_LOAD(8) PA_LOAD(9) PA_LOAD(10) PA_LOAD(11) PA_LOAD(12) PA_LOAD(13) PA_LOAD(14) PA_LOAD(15)
-#undef PA_LOAD
+#define PA_LOAD1(r) __m512 o##r = _mm512_mul_ps(_mm512_loadu_ps(o + (r) * D), _mm512_set1_ps(alpha[r]));
+        PA_LOAD1(0) PA_LOAD1(1) PA_LOAD1(2) PA_LOAD1(3) PA_LOAD1(4) PA_LOAD1(5) PA_LOAD1(6) PA_LOAD1(7)
+        PA_LOAD1(8) PA_LOAD1(9) PA_LOAD1(10) PA_LOAD1(11) PA_LOAD1(12) PA_LOAD1(13) PA_LOAD1(14) PA_LOAD1(15)
+#undef PA_LOAD1
         for (int j = 0; j < nkeys; j++) {
             const __m512 v = _mm512_loadu_ps(vf + j * PA_MAX_D + d);
             const float *pj = p + j * PA_ROWS;
@@ -298,10 +301,10 @@ static __attribute__((noinline)) void chunk_values(float *ot, const float *vf, c
             PA_PV(8) PA_PV(9) PA_PV(10) PA_PV(11) PA_PV(12) PA_PV(13) PA_PV(14) PA_PV(15)
 #undef PA_PV
         }
-#define PA_STORE(r) _mm512_storeu_ps(o + (r) * D, o##r);
-        PA_STORE(0) PA_STORE(1) PA_STORE(2) PA_STORE(3) PA_STORE(4) PA_STORE(5) PA_STORE(6) PA_STORE(7)
-        PA_STORE(8) PA_STORE(9) PA_STORE(10) PA_STORE(11) PA_STORE(12) PA_STORE(13) PA_STORE(14) PA_STORE(15)
-#undef PA_STORE
+#define PA_STORE1(r) _mm512_storeu_ps(o + (r) * D, o##r);
+        PA_STORE1(0) PA_STORE1(1) PA_STORE1(2) PA_STORE1(3) PA_STORE1(4) PA_STORE1(5) PA_STORE1(6) PA_STORE1(7)
+        PA_STORE1(8) PA_STORE1(9) PA_STORE1(10) PA_STORE1(11) PA_STORE1(12) PA_STORE1(13) PA_STORE1(14) PA_STORE1(15)
+#undef PA_STORE1
     }
 }
 
@@ -313,10 +316,7 @@ static __attribute__((noinline)) void chunk_values(float *ot, const float *vf, c
 static inline void chunk_pairs_8x32(float *ot, const uint32_t *vp, const uint32_t *p2, const float *alpha, int64_t D,
                                     int npairs, int r0, int64_t d) {
     float *o = ot + r0 * D + d;
-#define PA_LOAD(r) __m512 o##r##a = _mm512_mul_ps(_mm512_loadu_ps(o + (r) * D), _mm512_set1_ps(alpha[r0 + (r)])), \
-                          o##r##b = _mm512_mul_ps(_mm512_loadu_ps(o + (r) * D + 16), _mm512_set1_ps(alpha[r0 + (r)]));
-    PA_LOAD(0) PA_LOAD(1) PA_LOAD(2) PA_LOAD(3) PA_LOAD(4) PA_LOAD(5) PA_LOAD(6) PA_LOAD(7)
-#undef PA_LOAD
+    PA_ROWS8_LOAD
     for (int jp = 0; jp < npairs; jp++) {
         const __m512i va = _mm512_loadu_si512(vp + jp * PA_MAX_D + d), vb = _mm512_loadu_si512(vp + jp * PA_MAX_D + d + 16);
         const uint32_t *pj = p2 + jp * PA_ROWS + r0;
@@ -324,10 +324,13 @@ static inline void chunk_pairs_8x32(float *ot, const uint32_t *vp, const uint32_
         PA_PV(0) PA_PV(1) PA_PV(2) PA_PV(3) PA_PV(4) PA_PV(5) PA_PV(6) PA_PV(7)
 #undef PA_PV
     }
-#define PA_STORE(r) _mm512_storeu_ps(o + (r) * D, o##r##a), _mm512_storeu_ps(o + (r) * D + 16, o##r##b);
-    PA_STORE(0) PA_STORE(1) PA_STORE(2) PA_STORE(3) PA_STORE(4) PA_STORE(5) PA_STORE(6) PA_STORE(7)
-#undef PA_STORE
+    PA_ROWS8_STORE
 }
+
+#undef PA_ROWS8_STORE
+#undef PA_STORE
+#undef PA_ROWS8_LOAD
+#undef PA_LOAD
 
 static __attribute__((noinline)) void chunk_pairs(float *ot, const uint32_t *vp, const uint32_t *p2, const float *alpha,
                                                   int64_t D, int npairs) {
