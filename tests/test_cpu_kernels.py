@@ -43,6 +43,7 @@ CASES = {
     "mqa_block1": ([(3, 6), (1, 5)], 4, 1, 16, 1),
     "gqa3_block6_d24": ([(4, 13), (1, 7), (7, 7)], 6, 2, 24, 6),
     "gqa3_d64": ([(1, 45), (2, 9), (1, 1)], 6, 2, 64, 16),  # an odd GQA group in the AVX-512 decode loops
+    "mha_d64": ([(2, 29), (1, 8)], 4, 4, 64, 16),  # one query head a KV head: the two-head loops' lone head
     # Longer than one 32-token tile, a cached prefix, Qwen3-0.6B's head shape.
     "qwen3_shape_multi_tile": ([(40, 40), (6, 70), (1, 33), (33, 100)], 16, 8, 128, 16),
 }
@@ -78,13 +79,19 @@ def test_decode_kernel_splits_kv_heads_for_few_sequences():
 
 
 @needs_kernel
-@pytest.mark.parametrize("name", ["gqa2_mixed", "gqa3_block6_d24", "qwen3_shape_multi_tile", "gqa3_d64"])
-def test_decode_kernel_bf16_io_is_the_float32_result_rounded(name):
+@pytest.mark.parametrize("kv_per_item", ["auto", "one", "all"])
+@pytest.mark.parametrize("name", ["gqa2_mixed", "gqa3_block6_d24", "qwen3_shape_multi_tile", "gqa3_d64", "gqa4_prefix",
+                                  "mha_d64"])
+def test_decode_kernel_bf16_io_is_the_float32_result_rounded(name, kv_per_item, monkeypatch):
     # bf16 q/out are read and written inside the kernel: bit for bit the float32 call's output
     # rounded to bf16 (what the conversions around the call used to do). On AVX512-BF16 a bf16 q
     # takes the vdpbf16ps loops (head_dim % 32 == 0), whose float32 sums differ in the last bits:
     # there a rare output one bf16 step off, where the float32 value sits on a rounding boundary.
+    # kv_per_item: KV heads a work item reads together (one row of each key), as the thread count picks
+    # them, or forced to one and to all (the loops' per-head offsets within a row)
     seqs, heads, kv_heads, head_dim, block_size = CASES[name]
+    if kv_per_item != "auto":
+        monkeypatch.setattr(ca, "kv_heads_per_item", lambda *_: 1 if kv_per_item == "one" else kv_heads)
     b = make_paged_batch([(1, ctx) for _, ctx in seqs], heads, kv_heads, head_dim, block_size, dtype=torch.bfloat16)
     plan = ca.decode_plan(b["block_tables"], b["context_lens"])
     as_float = ca.paged_attention_decode_cpu(LIB, b["q"].float(), b["k_cache"], b["v_cache"], plan, b["scale"])

@@ -252,13 +252,6 @@ static __attribute__((noinline)) void chunk_scores(const uint32_t *qp, const uin
     s[8] = s8, s[9] = s9, s[10] = s10, s[11] = s11, s[12] = s12, s[13] = s13, s[14] = s14, s[15] = s15;
 }
 
-/* O[r] = O[r] * alpha[r] + sum over the chunk's keys j of P[r][j] . V[j], 16 values of d at a time:
-   the 16 rows' sums in registers, each key's (widened) V vector loaded once for all of them, each
-   row's P broadcast from memory (p[j][r]). Here P stays float32, as the reference's softmax leaves it:
-   rounded to bf16 for vdpbf16ps it moved greedy tokens off HF's bf16 model where the top two
-   logits were 0.03 apart. */
-/* Rows r0 .. r0+7, values d .. d+31: 8 rows x 2 vectors of sums in registers, so each key's two V
-   vectors and 8 P broadcasts (10 loads) feed 16 FMAs, where 16 rows x 1 vector took 17 loads */
 /* An 8-row x 32-value block's output sums into registers o<r>a, o<r>b, rescaled by the rows' alpha
    (the online softmax's correction), and back: shared by the float32 and the bf16-P loops */
 #define PA_LOAD(r) __m512 o##r##a = _mm512_mul_ps(_mm512_loadu_ps(o + (r) * D), _mm512_set1_ps(alpha[r0 + (r)])), \
@@ -267,6 +260,13 @@ static __attribute__((noinline)) void chunk_scores(const uint32_t *qp, const uin
 #define PA_STORE(r) _mm512_storeu_ps(o + (r) * D, o##r##a), _mm512_storeu_ps(o + (r) * D + 16, o##r##b);
 #define PA_ROWS8_STORE PA_STORE(0) PA_STORE(1) PA_STORE(2) PA_STORE(3) PA_STORE(4) PA_STORE(5) PA_STORE(6) PA_STORE(7)
 
+/* O[r] = O[r] * alpha[r] + sum over the chunk's keys j of P[r][j] . V[j], 16 values of d at a time:
+   the 16 rows' sums in registers, each key's (widened) V vector loaded once for all of them, each
+   row's P broadcast from memory (p[j][r]). Here P stays float32, as the reference's softmax leaves it:
+   rounded to bf16 for vdpbf16ps it moved greedy tokens off HF's bf16 model where the top two
+   logits were 0.03 apart. */
+/* Rows r0 .. r0+7, values d .. d+31: 8 rows x 2 vectors of sums in registers, so each key's two V
+   vectors and 8 P broadcasts (10 loads) feed 16 FMAs, where 16 rows x 1 vector took 17 loads */
 static inline void chunk_values_8x32(float *ot, const float *vf, const float *p, const float *alpha, int64_t D,
                                      int nkeys, int r0, int64_t d) {
     float *o = ot + r0 * D + d;
