@@ -628,14 +628,6 @@ static inline int32_t quantize_block(const float *xr, int64_t k0, int64_t k1, fl
     return sum;
 }
 
-/* x [M, K] float32 -> xq [M, Kp] int8 (zero past K), xs [M, Kp / 32] and xg [M, ceil(K / group)]
-   float32, and each row's outliers. An outlier is a value above `outlier` times its block's mean
-   |x| (a hidden channel 20-100x the rest, as LLaMA/Qwen-class models have): it would set the
-   scale and round the other values to a few levels, so it is taken out (xq = 0) and kept exactly,
-   on[m] of them per row at ok[m, i] (input) and ov[m, i] (value), added in float32 by the GEMM.
-   Of the rest, per run of `scale_blocks` blocks (every block of a run gets the run's scale, so that
-   a GEMM sums the run in int32 before it scales it): scale = amax / 127, xq = round-half-even(x *
-   (127 / amax)). The mean is summed in double so that the PyTorch reference decides alike. */
 /* One row of quantize_blocks_int8: block b's 32 bytes at q + b * q_stride, its scale at s[b * s_stride]
    (a row-major [M, Kp] or the VNNI tiles' layout); xg, on, ok, ov the row's own. */
 static void quantize_row_int8(const float *xr, int64_t K, int64_t B, int64_t G, int64_t group, double outlier,
@@ -661,6 +653,14 @@ static void quantize_row_int8(const float *xr, int64_t K, int64_t B, int64_t G, 
     *on = n_out;
 }
 
+/* x [M, K] float32 -> xq [M, Kp] int8 (zero past K), xs [M, Kp / 32] and xg [M, ceil(K / group)]
+   float32, and each row's outliers. An outlier is a value above `outlier` times its block's mean
+   |x| (a hidden channel 20-100x the rest, as LLaMA/Qwen-class models have): it would set the
+   scale and round the other values to a few levels, so it is taken out (xq = 0) and kept exactly,
+   on[m] of them per row at ok[m, i] (input) and ov[m, i] (value), added in float32 by the GEMM.
+   Of the rest, per run of `scale_blocks` blocks (every block of a run gets the run's scale, so that
+   a GEMM sums the run in int32 before it scales it): scale = amax / 127, xq = round-half-even(x *
+   (127 / amax)). The mean is summed in double so that the PyTorch reference decides alike. */
 void quantize_blocks_int8(const float *x, int64_t M, int64_t K, int64_t Kp, int64_t group, double outlier,
                           int64_t scale_blocks, int8_t *xq, float *xs, float *xg, int32_t *on, int32_t *ok, float *ov,
                           int num_threads) {
