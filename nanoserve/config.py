@@ -60,7 +60,8 @@ class Config:
     batch_invariant: bool = False
     # "int8": per-channel int8 weights quantized at load (CPU only); a pre-quantized checkpoint's
     # format ("gptq", "awq", "compressed-tensors", "fp8") is read from its config.json (None or the
-    # same name may be passed, as in vLLM), and set here after validation.
+    # same name may be passed, as in vLLM), and set here after validation. "int8" with such a
+    # checkpoint: its integers as they are, its float layers (the LM head) quantized at load.
     quantization: str | None = None
     # "generate", "pooling" (embeddings: nanoserve/pooling) or "auto" (by architecture name, as vLLM).
     runner: str = "auto"

@@ -89,6 +89,33 @@ def test_packed_int8_weight_is_half_the_bf16_bytes():
 
 
 @needs_kernel
+@pytest.mark.parametrize("vnni", [False, True])
+def test_int8_gemm_rows_are_the_weights_it_multiplies(vnni):
+    """A tied embedding's lookup in the int8 head: each row exactly q * scale, whatever the panel
+    layout (N not a multiple of the 16-column panel, K not of the 32-input block), any ids shape."""
+    from nanoserve.kernels.cpu_gemm import Int8Gemm
+
+    if vnni and not LIB.vnni_supported():
+        pytest.skip("no AVX512-VNNI build of the CPU kernels")
+    weight, _, _ = _case(1, 37, 70, 5)
+    gemm = Int8Gemm(weight, None, KERNELS, None, vnni=vnni)
+    want = dequantize_weight_int8(*quantize_weight_int8(weight))
+    ids = torch.tensor([[0, 36, 15], [16, 17, 5]])
+    got = gemm.rows(ids)
+    assert got.shape == (2, 3, 70) and got.dtype == torch.float32
+    assert torch.equal(got, want[ids])
+    assert torch.equal(gemm.rows(torch.arange(37)), want)
+    # a grouped weight has no single row scale to read back: refused, never a wrong row
+    q, scales = quantize_weight_int8(weight, 32)
+    from nanoserve.quantization.weight import QuantizedWeight
+
+    grouped = Int8Gemm(QuantizedWeight(q, scales, 32), None, KERNELS, None, vnni=vnni)
+    assert not grouped.per_channel
+    with pytest.raises(ValueError, match="per-channel"):
+        grouped.rows(ids)
+
+
+@needs_kernel
 def test_instruction_peak_loops_count_their_work():
     for name, per_iter in (("peak_loop_fma_f32", 12 * 8), ("peak_loop_madd_i16", 12 * 16),
                            ("peak_loop_maddubs_u8s8", 12 * 32)):
@@ -117,6 +144,12 @@ def test_llm_int8_quantizes_every_linear_and_halves_weight_bytes(tiny_model):
         bf16_bytes = sum(g.panels.numel() * g.panels.element_size() for g in panels)
         int8_bytes = sum(g.weight.panels.numel() for g in gemms)
         assert int8_bytes * 2 == bf16_bytes
+    # the tied embedding reads the head's int8 rows instead of keeping the float vocabulary
+    model = int8.engine.model_runner.model
+    embedding, head = model.model.embed_tokens, model.lm_head
+    assert embedding.weight is None and isinstance(head.gemm, Int8Gemm)
+    ids = torch.arange(embedding.vocab_size)
+    assert torch.equal(embedding(ids), head.gemm.rows(ids).bfloat16())
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     out = int8.generate([{"prompt_token_ids": [5, 6, 7, 8, 9]}], params, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 8

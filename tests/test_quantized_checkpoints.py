@@ -402,7 +402,7 @@ def test_the_quantization_argument_must_agree_with_the_checkpoint(checkpoints, t
     path, _, _ = checkpoints["gptq-sym"]
     for name in ("gptq", "gptq_marlin"):  # vLLM's kernel name for the format is the format
         assert LLM(path, quantization=name, **ENGINE).engine.config.quantization == "gptq"
-    for wrong in ("awq", "awq_marlin", "int8"):
+    for wrong in ("awq", "awq_marlin"):
         with pytest.raises(ValueError, match=rf"quantization='{wrong}' disagrees with .*config.json.*'gptq'"):
             LLM(path, quantization=wrong, **ENGINE)
     with pytest.raises(ValueError, match=r"quantization='fp8' is not supported \(.*config.json has no quantization_config"):
@@ -446,3 +446,42 @@ def test_a_quantized_lm_head_runs_its_integers(model_dirs, hf, tmp_path, monkeyp
     with LLM(dst, tensor_parallel_size=2, **ENGINE) as tp2:
         sharded = tp2.generate(requests, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in sharded] == [o.outputs[0].token_ids for o in outputs]
+
+
+# ---- quantization="int8" on a pre-quantized checkpoint: its float layers too ---------------------
+
+
+@pytest.mark.parametrize("model", ["tied-gqa2", "untied-gqa4"])
+def test_int8_quantizes_the_float_head_a_quantized_checkpoint_left(model_dirs, tmp_path, model):
+    """The checkpoint's integers run as they are (int4), its float LM head is quantized per channel at
+    load, and a tied embedding reads the head's int8 rows instead of keeping the float vocabulary;
+    teacher-forced against the checkpoint in float32, no further from it than its bf16 head is."""
+    from nanoserve.bench.accuracy import measure_accuracy
+
+    dst = str(tmp_path / "q")
+    write_quantized_checkpoint(model_dirs[model], dst, "gptq", str(tmp_path / "f"))
+    bf16 = {**ENGINE, "dtype": "bfloat16"}
+    llm = LLM(dst, quantization="int8", **bf16)
+    if llm.engine.model_runner.backend.int8 is None:
+        pytest.skip("no AVX2/FMA build of the CPU kernels")
+    assert llm.engine.config.quantization == "int8"
+    model_ = llm.engine.model_runner.model
+    gemms = [m.gemm for m in model_.modules() if isinstance(m, LinearBase)]
+    assert gemms and all(type(g) is Int4Gemm for g in gemms)
+    head, embedding = model_.lm_head, model_.model.embed_tokens
+    assert type(head.gemm) is Int8Gemm and head.gemm.per_channel
+    ids = torch.arange(embedding.vocab_size)
+    if model.startswith("tied"):
+        assert embedding.weight is None
+        assert torch.equal(embedding(ids), head.gemm.rows(ids).bfloat16())
+    else:
+        assert embedding.weight is not None and embedding.weight.dtype == torch.bfloat16
+    outputs = llm.generate([{"prompt_token_ids": p} for p in random_prompts(2, 4, 12, seed=4)], GREEDY,
+                           use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outputs)
+    del llm
+    paths = {"float32": {"llm": {"dtype": "float32"}}, "bf16": {}, "bf16, int8 head": {"quantization": "int8"}}
+    got = {r.path: r for r in measure_accuracy(dst, random_prompts(8, 4, 16, seed=9), 16, paths, **bf16)[0]}
+    floor = got["bf16"]
+    assert got["bf16, int8 head"].top1_agreement >= floor.top1_agreement - 0.05
+    assert got["bf16, int8 head"].mean_abs_logprob_diff <= 2 * floor.mean_abs_logprob_diff + 1e-3

@@ -1,8 +1,9 @@
 """A tied embedding on the panel GEMM path: the LM head's bf16 panels are the only copy of the
 vocabulary matrix, and the embedding reads its rows back from them bit for bit.
 
-Elsewhere (the int8 head, oneDNN, the torch backend, untied models) the embedding keeps its own
-loaded weight, as before.
+The int8 head gives back its rows as it multiplies them (q * scale), so quantization="int8" keeps
+no float vocabulary either. Elsewhere (oneDNN, the torch backend, untied models) the embedding keeps
+its own loaded weight, as before.
 """
 from __future__ import annotations
 
@@ -166,16 +167,34 @@ def test_the_tied_embedding_leaves_no_second_copy_alive(tied_bf16, panel):
     assert "model.embed_tokens.weight" not in dict(model.named_parameters())
 
 
-@pytest.mark.parametrize("backend_kw", [dict(options=CPUOptions(gemm="onednn-fp32")), dict(quantization="int8")],
-                         ids=["onednn-fp32", "int8"])
-def test_other_logits_paths_keep_the_loaded_embedding(tied_bf16, backend_kw):
-    """oneDNN's blocked copy and the int8 head (not exact) do not give rows back."""
-    _panel_kernels()  # int8 needs the same AVX2/FMA build
-    model, loaded = _loaded(tied_bf16, CPUBackend(torch.device("cpu"), torch.bfloat16, **backend_kw))
+def test_onednn_keeps_the_loaded_embedding(tied_bf16):
+    """oneDNN's blocked copy does not give rows back."""
+    _panel_kernels()
+    backend = CPUBackend(torch.device("cpu"), torch.bfloat16, options=CPUOptions(gemm="onednn-fp32"))
+    model, loaded = _loaded(tied_bf16, backend)
     before = loaded().clone()
     prepare_weights(model)
     assert model.model.embed_tokens.weight is loaded() and model.model.embed_tokens.rows is None
     assert torch.equal(_bits(model.model.embed_tokens.weight), _bits(before))
+
+
+def test_an_int8_head_gives_its_quantized_rows_to_the_embedding(tied_bf16):
+    """quantization="int8": the loaded vocabulary is released; each row comes back as the head
+    multiplies it, q * scale rounded to bf16, within half an int8 step of the loaded row."""
+    _panel_kernels()  # int8 needs the same AVX2/FMA build
+    model, loaded = _loaded(tied_bf16, CPUBackend(torch.device("cpu"), torch.bfloat16, quantization="int8"))
+    before = loaded().float().clone()
+    prepare_weights(model)
+    embedding = model.model.embed_tokens
+    assert embedding.weight is None and embedding.rows is not None
+    gc.collect()
+    assert loaded() is None  # no copy of the float vocabulary is left
+    ids = torch.arange(before.shape[0])
+    rows = embedding(ids)
+    assert rows.dtype == torch.bfloat16
+    assert torch.equal(rows, model.lm_head.gemm.rows(ids).bfloat16())
+    step = before.abs().amax(dim=1, keepdim=True) / 127
+    assert ((rows.float() - before).abs() <= step / 2 + before.abs() / 256 + 1e-7).all()  # + bf16's rounding
 
 
 def test_an_untied_model_keeps_its_embedding(untied_twin, panel):

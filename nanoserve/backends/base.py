@@ -72,8 +72,9 @@ class Backend:
 
     def logits_rows(self, logits: LinearFn) -> RowsFn | None:
         """Rows of the weight `logits` (from prepare_logits) was prepared from, read back from the
-        GEMM's own copy bit for bit, where it can; None otherwise. A tied embedding then looks its
-        tokens up there instead of keeping a second copy of the vocabulary matrix."""
+        GEMM's own copy where it can (bit for bit, or as a quantized head multiplies them); None
+        otherwise. A tied embedding then looks its tokens up there instead of keeping a second copy
+        of the vocabulary matrix."""
         return None
 
     def prepare_moe(self, w13: torch.Tensor, w2: torch.Tensor) -> MoEFn:

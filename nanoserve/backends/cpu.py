@@ -255,9 +255,15 @@ class CPUBackend(Backend):
         return self._gemm(weight, None, torch.float32)
 
     def logits_rows(self, logits: LinearFn) -> RowsFn | None:
-        # The panels hold the bf16 bits as loaded, in a layout rows are read from by indexing; the
-        # int8 head is not exact, and oneDNN's blocked layout is its own.
-        return logits.rows if isinstance(logits, (PanelGemm, DotBF16Gemm)) else None
+        # The panels hold the bf16 bits as loaded, in a layout rows are read from by indexing.
+        # The int8 head's rows are q * scale: with quantization="int8" the embedding shares them
+        # rather than keep the float vocabulary (2x the head's bytes), as llama.cpp's quantized
+        # files do. oneDNN's blocked layout is its own.
+        if isinstance(logits, (PanelGemm, DotBF16Gemm)):
+            return logits.rows
+        if isinstance(logits, Int8Gemm) and logits.per_channel:
+            return lambda ids: logits.rows(ids).to(self.dtype)
+        return None
 
     def prepare_quantized_linear(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> LinearFn:
         """A checkpoint's integers as they are (exact: no requantization): 4-bit ones through the int4

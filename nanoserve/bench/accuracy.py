@@ -127,7 +127,7 @@ def measure_accuracy(model: str, prompts: list[list[int]], num_tokens: int, path
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             teachers = [o.outputs[0].token_ids for o in outs]
         entries = _next_token_logprobs(llm, prompts, teachers)
-        del llm
+        llm.close()  # its weights and KV cache now, not at the next collection: one model at a time
         chosen = [t for teacher in teachers for t in teacher]
         if reference is None:
             reference = entries

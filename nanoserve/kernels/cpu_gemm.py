@@ -34,8 +34,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nanoserve.kernels.cpu_int8 import (Int4Kernels, Int8Kernels, pack_int4, pack_int8_vnni, quantize_weight_int8,
-                                        split_int4)
+from nanoserve.kernels.cpu_int8 import (VNNI_ZERO, Int4Kernels, Int8Kernels, pack_int4, pack_int8_vnni,
+                                        quantize_weight_int8, split_int4)
 from nanoserve.kernels.cpu_kernels import PANEL, CPUKernels, panel_slot
 from nanoserve.quantization.weight import QuantizedWeight
 
@@ -170,6 +170,24 @@ class Int8Gemm:
         else:
             y = self.kernels.w8a16(x2, self.weight, self.bias, out_dtype)
         return _result(y, x, out_dtype)
+
+    @property
+    def per_channel(self) -> bool:
+        """One scale per output row and no input permutation: what `rows` reads back."""
+        return self.perm is None and self.weight.group_size >= self.weight.in_features
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight as the kernels multiply them, q * scale ([*ids.shape, in] float32):
+        a tied embedding of quantization="int8" looks its tokens up here instead of keeping the float
+        matrix (the vocabulary's bytes halve; its rows carry the head's rounding). Per channel only."""
+        if not self.per_channel:
+            raise ValueError("Int8Gemm.rows reads per-channel weights without an input permutation")
+        w, k = self.weight, self.weight.in_features
+        if self.vnni:  # [P, Kp / 4, 16, 4] bytes q + 128
+            q = w.panels[ids // PANEL, :, ids % PANEL, :].reshape(*ids.shape, -1).int() - VNNI_ZERO
+        else:  # [P, Kp, 16] int8
+            q = w.panels[ids // PANEL, :, ids % PANEL]
+        return q[..., :k].float() * w.scales[0, ids].unsqueeze(-1)
 
 
 class Int4Gemm:

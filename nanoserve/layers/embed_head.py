@@ -1,8 +1,9 @@
 """Vocab-parallel embedding and LM head: each rank holds a contiguous slice of the vocabulary.
 
 A tied embedding is the LM head's weight. Where the backend's logits GEMM keeps a packed copy
-that gives rows back bit for bit (Backend.logits_rows), the embedding looks its tokens up there
-and drops the loaded matrix: one copy of the vocabulary, not two (on Qwen3-0.6B, 297 MiB).
+that gives rows back (Backend.logits_rows: bit for bit, or an int8 head's q * scale), the
+embedding looks its tokens up there and drops the loaded matrix: one copy of the vocabulary, not
+two (on Qwen3-0.6B, 297 MiB in bf16).
 """
 from __future__ import annotations
 

@@ -110,8 +110,10 @@ def checkpoint_format(hf_config: dict, source: str, requested: str | None = None
 def resolve_quantization(requested: str | None, hf_config: dict, source: str) -> str | None:
     """Config.quantization: the checkpoint's own format when it has one (`requested` must then be
     None, the same name or one of vLLM's kernel names for it, as in vLLM), else `requested` (None, or "int8" to
-    quantize at load). A checkpoint whose config is in AutoGPTQ's / AutoAWQ's own file needs `requested`
-    (find_quantization_config)."""
+    quantize at load). "int8" on a pre-quantized checkpoint stays "int8": its integer layers run as
+    they are and the float ones it left (its LM head, layers it does not quantize) are quantized at
+    load, as llama.cpp's 4-bit files carry a 6-bit head. A checkpoint whose config is in AutoGPTQ's /
+    AutoAWQ's own file needs `requested` (find_quantization_config)."""
     if requested is not None and requested not in QUANTIZATIONS:
         raise ValueError(f"quantization={requested!r} is not supported (None, {', '.join(map(repr, QUANTIZATIONS))}; "
                          "a pre-quantized checkpoint's format is read from its config.json)")
@@ -121,9 +123,12 @@ def resolve_quantization(requested: str | None, hf_config: dict, source: str) ->
             raise ValueError(f"quantization={requested!r} is not supported ({source} has no quantization_config: "
                              "a float checkpoint takes None, or 'int8' to quantize it at load)")
         return requested
+    if requested == LOAD_TIME:
+        return LOAD_TIME
     if KERNEL_ALIASES.get(requested, requested) not in (None, fmt.method):
         raise ValueError(f"quantization={requested!r} disagrees with {fmt.source}, whose quantization_config."
-                         f"quant_method is {fmt.method!r}: pass quantization={fmt.method!r} or None")
+                         f"quant_method is {fmt.method!r}: pass quantization={fmt.method!r}, None, or "
+                         f"{LOAD_TIME!r} to quantize its float layers too")
     return fmt.method
 
 
