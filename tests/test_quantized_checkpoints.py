@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 
 from helpers import random_prompts
 from nanoserve import LLM, SamplingParams
+from nanoserve.kernels import cpu_kernels
 from nanoserve.kernels.cpu_gemm import Int4Gemm, Int8Gemm
 from nanoserve.layers.linear import LinearBase
 from nanoserve.quantization.checkpoint import open_checkpoint
@@ -450,7 +451,12 @@ def test_a_quantized_lm_head_runs_its_integers(model_dirs, hf, tmp_path, monkeyp
 
 # ---- quantization="int8" on a pre-quantized checkpoint: its float layers too ---------------------
 
+_LIB = cpu_kernels.load()
+needs_int8 = pytest.mark.skipif(_LIB is None or not _LIB.int8_gemm_supported(),
+                                reason="quantization='int8' needs the CPU kernels built with AVX2 and FMA")
 
+
+@needs_int8
 @pytest.mark.parametrize("model", ["tied-gqa2", "untied-gqa4"])
 def test_int8_quantizes_the_float_head_a_quantized_checkpoint_left(model_dirs, tmp_path, model):
     """The checkpoint's integers run as they are (int4), its float LM head is quantized per channel at
@@ -462,8 +468,6 @@ def test_int8_quantizes_the_float_head_a_quantized_checkpoint_left(model_dirs, t
     write_quantized_checkpoint(model_dirs[model], dst, "gptq", str(tmp_path / "f"))
     bf16 = {**ENGINE, "dtype": "bfloat16"}
     llm = LLM(dst, quantization="int8", **bf16)
-    if llm.engine.model_runner.backend.int8 is None:
-        pytest.skip("no AVX2/FMA build of the CPU kernels")
     assert llm.engine.config.quantization == "int8"
     model_ = llm.engine.model_runner.model
     gemms = [m.gemm for m in model_.modules() if isinstance(m, LinearBase)]
@@ -485,3 +489,36 @@ def test_int8_quantizes_the_float_head_a_quantized_checkpoint_left(model_dirs, t
     floor = got["bf16"]
     assert got["bf16, int8 head"].top1_agreement >= floor.top1_agreement - 0.05
     assert got["bf16, int8 head"].mean_abs_logprob_diff <= 2 * floor.mean_abs_logprob_diff + 1e-3
+
+
+@needs_int8
+@pytest.mark.parametrize("name", ["mixed", "fp8", "gptq-8bit-asym"])
+def test_int8_never_requantizes_what_the_checkpoint_quantized(checkpoints, model_dirs, tmp_path, name):
+    """Only layers stored in float are quantized at load: layers decoded to float from the checkpoint's
+    quantized tensors (FP8, 8-bit q - z beyond int8, a fused layer quantized in part) run in float as
+    they do without the argument, never rounded a second time; layers the checkpoint left in float and
+    the LM head become int8."""
+    if name == "mixed":  # layer 1's MLP stored in float; layer 0's q/k/v quantized only in k_proj
+        path = str(tmp_path / "mixed")
+        write_quantized_checkpoint(model_dirs["untied-gqa4"], path, "gptq", str(tmp_path / "f"),
+                                   skip=(r"layers\.1\.mlp", r"layers\.0\.self_attn\.k_proj"))
+    else:
+        path = checkpoints[name][0]
+    default, int8 = LLM(path, **ENGINE), LLM(path, quantization="int8", **ENGINE)
+    stored_float = {"model.layers.1.mlp.gate_up_proj", "model.layers.1.mlp.down_proj"} if name == "mixed" else set()
+    layers = dict(default.engine.model_runner.model.named_modules())
+    checked = 0
+    for layer_name, layer in int8.engine.model_runner.model.named_modules():
+        if not isinstance(layer, LinearBase):
+            continue
+        before = layers[layer_name].gemm
+        if layer_name in stored_float:
+            assert type(layer.gemm) is Int8Gemm and not isinstance(before, (Int4Gemm, Int8Gemm)), layer_name
+        else:
+            assert type(layer.gemm) is type(before), layer_name
+            checked += not isinstance(before, (Int4Gemm, Int8Gemm))  # a dequantized layer kept in float
+        assert layer.dequantized == layers[layer_name].dequantized
+    assert checked > 0  # every case has layers decoded to float
+    assert type(int8.engine.model_runner.model.lm_head.gemm) is Int8Gemm
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(2, 4, 12, seed=5)]
+    assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in int8.generate(prompts, GREEDY, use_tqdm=False))

@@ -49,15 +49,17 @@ class Backend:
 
     # ---- linear layers ------------------------------------------------------------------------
 
-    def prepare_linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearFn:
-        """Called once per linear layer after its weights are loaded; returns x -> x @ weight.T + bias."""
+    def prepare_linear(self, weight: torch.Tensor, bias: torch.Tensor | None, quantize: bool = True) -> LinearFn:
+        """Called once per linear layer after its weights are loaded; returns x -> x @ weight.T + bias.
+        quantize=False: a weight dequantized from a quantized checkpoint, which a backend that
+        quantizes weights at load (CPU, quantization="int8") runs in float: never rounded twice."""
         return partial(F.linear, weight=weight, bias=bias)
 
     def prepare_quantized_linear(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> LinearFn:
         """A pre-quantized checkpoint's linear layer (int8 values, group scales). Here it is
         dequantized once into the model dtype and runs like any float weight; a backend with
         integer kernels runs the integers."""
-        return self.prepare_linear(weight.dequantize().to(self.dtype), bias)
+        return self.prepare_linear(weight.dequantize().to(self.dtype), bias, quantize=False)
 
     def prepare_logits(self, weight: torch.Tensor) -> LinearFn:
         """The LM head: hidden states -> float32 logits (what the sampler works in)."""
@@ -77,11 +79,12 @@ class Backend:
         of the vocabulary matrix."""
         return None
 
-    def prepare_moe(self, w13: torch.Tensor, w2: torch.Tensor) -> MoEFn:
+    def prepare_moe(self, w13: torch.Tensor, w2: torch.Tensor, quantize: bool = True) -> MoEFn:
         """Called once per MoE layer after loading: the experts as grouped GEMMs, each expert's
-        weights prepared like any linear layer's (w13 [E, 2 * inter, hidden], w2 [E, hidden, inter])."""
-        up = [self.prepare_linear(w, None) for w in w13]
-        down = [self.prepare_linear(w, None) for w in w2]
+        weights prepared like any linear layer's (w13 [E, 2 * inter, hidden], w2 [E, hidden, inter];
+        quantize as for prepare_linear)."""
+        up = [self.prepare_linear(w, None, quantize) for w in w13]
+        down = [self.prepare_linear(w, None, quantize) for w in w2]
         return partial(grouped_experts, up=up, down=down, act=self.silu_and_mul)
 
     # ---- small ops ----------------------------------------------------------------------------

@@ -196,6 +196,7 @@ class CPUBackend(Backend):
         self.attention_lib = lib if self.options.attention == "auto" and dtype in cpu_attention.DTYPE_CODES else None
         self.gemm = choose_gemm(self.options.gemm, dtype, self.kernels, self.options.batch_invariant,
                                 self.options.prefill_only)
+        self.float_gemm = self.gemm  # what a weight runs that is not to be quantized (prepare_linear)
         # The int8 GEMMs: every linear with quantization="int8", a pre-quantized checkpoint's
         # integer weights (prepare_quantized_linear) otherwise.
         self.int8 = self.int4 = None
@@ -248,8 +249,8 @@ class CPUBackend(Backend):
 
     # ---- linear layers ------------------------------------------------------------------------
 
-    def prepare_linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearFn:
-        return self._gemm(weight, bias, None)
+    def prepare_linear(self, weight: torch.Tensor, bias: torch.Tensor | None, quantize: bool = True) -> LinearFn:
+        return self._gemm(weight, bias, None, quantize)
 
     def prepare_logits(self, weight: torch.Tensor) -> LinearFn:
         return self._gemm(weight, None, torch.float32)
@@ -292,16 +293,18 @@ class CPUBackend(Backend):
             return self.options.int8 == "w4a8"
         return self.dtype != torch.float32
 
-    def _gemm(self, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None) -> LinearFn:
-        if self.gemm == "int8":
+    def _gemm(self, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None,
+              quantize: bool = True) -> LinearFn:
+        gemm = self.gemm if quantize else self.float_gemm
+        if gemm == "int8":
             return Int8Gemm(weight, bias, self.int8, self.w8a8_min_rows, out_dtype, vnni=self.int8_vnni)
-        if self.gemm == "panel":
+        if gemm == "panel":
             return PanelGemm(weight, bias, self.kernels, out_dtype)
-        if self.gemm == "dpbf16":
+        if gemm == "dpbf16":
             return DotBF16Gemm(weight, bias, self.kernels, out_dtype)
-        if self.gemm == "onednn-bf16":
+        if gemm == "onednn-bf16":
             return OneDNNGemm(weight, bias, torch.bfloat16, out_dtype)
-        if self.gemm == "onednn-fp32":
+        if gemm == "onednn-fp32":
             return OneDNNGemm(weight, bias, torch.float32, out_dtype)
         return BucketedLinear(weight, bias, out_dtype)
 

@@ -88,7 +88,7 @@ class TritonBackend(Backend):
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
 
-    def prepare_moe(self, w13, w2) -> MoEFn:
+    def prepare_moe(self, w13, w2, quantize: bool = True) -> MoEFn:
         w13, w2, tile_table = w13.contiguous(), w2.contiguous(), self.options.moe_tile_table
 
         def experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:

@@ -31,8 +31,8 @@ class VocabParallelEmbedding(nn.Module):
         self.rows: Callable[[torch.Tensor], torch.Tensor] | None = None  # set by share_rows
 
     def share_rows(self, rows: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Look rows up through `rows` (local ids -> [*ids.shape, hidden], exactly this shard's
-        weight rows) from now on, and release the loaded weight."""
+        """Look rows up through `rows` (local ids -> [*ids.shape, hidden]: this shard's weight rows,
+        as the head's GEMM holds them) from now on, and release the loaded weight."""
         self.rows = rows
         self.weight = None
 

@@ -37,6 +37,9 @@ def expect_shards(param: nn.Parameter, shards) -> None:
 
 class LinearBase(nn.Module):
     input_is_sharded = False  # row-parallel layers split the input dim across ranks
+    # loaded dequantized from a quantized checkpoint's tensors (models/loader.py): runs in float,
+    # never quantized at load a second time (quantization="int8")
+    dequantized = False
 
     def __init__(self, input_size: int, output_size: int, bias: bool, ctx: ModelContext) -> None:
         super().__init__()
@@ -122,7 +125,9 @@ class LinearBase(nn.Module):
             if self.backend.packs_weights:
                 self.bias = None
             return
-        self.gemm = self.backend.prepare_linear(self.weight, self.bias)
+        # the keyword only where it is False: a user's Backend subclass may predate it
+        extra = {"quantize": False} if self.dequantized else {}
+        self.gemm = self.backend.prepare_linear(self.weight, self.bias, **extra)
         if self.backend.packs_weights:
             self.weight = self.bias = None  # the GEMM holds its own copy
 

@@ -28,6 +28,8 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
 
 
 class FusedMoE(nn.Module):
+    dequantized = False  # as LinearBase's: experts loaded dequantized from a quantized checkpoint
+
     def __init__(
         self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
         ctx: ModelContext,
@@ -69,7 +71,8 @@ class FusedMoE(nn.Module):
         param.loaded_shards.update((e, part) for e in experts)
 
     def process_weights_after_loading(self) -> None:
-        self.experts = self.backend.prepare_moe(self.w13, self.w2)
+        extra = {"quantize": False} if self.dequantized else {}  # as LinearBase: older subclasses
+        self.experts = self.backend.prepare_moe(self.w13, self.w2, **extra)
         if self.backend.packs_weights:
             self.w13 = self.w2 = None  # the expert GEMMs hold their own copies
 

@@ -62,14 +62,16 @@ def iter_checkpoint(model_dir: str) -> Iterator[tuple[str, str, torch.Tensor]]:
 
 def bind_quantized_layers(model: nn.Module, quantized: QuantizedCheckpoint) -> set[str]:
     """Turn every linear layer whose checkpoint parts are all quantized alike into an integer one;
-    return the quantized modules that load as float instead."""
+    return the quantized modules that load as float instead (their layers marked `dequantized`)."""
     by_layer: dict[str, list] = {}
     for module, spec in quantized.specs.items():
-        if spec.decodes_to_float:
-            continue
         target, shard_id = model.checkpoint_name_to_param(f"{module}.weight")
-        if target is not None:
-            by_layer.setdefault(target.rpartition(".")[0], []).append((module, shard_id, spec))
+        if target is None:
+            continue
+        if spec.decodes_to_float:
+            _mark_dequantized(model, target.rpartition(".")[0])
+            continue
+        by_layer.setdefault(target.rpartition(".")[0], []).append((module, shard_id, spec))
     as_float: set[str] = set()
     for layer_name, parts in by_layer.items():
         try:
@@ -89,7 +91,16 @@ def bind_quantized_layers(model: nn.Module, quantized: QuantizedCheckpoint) -> s
                "its parts use different groups or act-order input orders (g_idx)")
         logger.info("%s loads dequantized to float: %s", layer_name, why)
         as_float.update(module for module, _, _ in parts)
+        layer.dequantized = True
     return as_float
+
+
+def _mark_dequantized(model: nn.Module, layer_name: str) -> None:
+    """The layer's weights come from a quantized checkpoint's tensors, decoded to float."""
+    try:
+        model.get_submodule(layer_name).dequantized = True
+    except AttributeError:
+        pass  # the loader names the tensor that has no parameter
 
 
 def load_weights(model: nn.Module, model_dir: str, quantization: str | None = None) -> None:
