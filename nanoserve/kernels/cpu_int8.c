@@ -977,11 +977,86 @@ VNNI_ASM_TILE(vnni_tile8_w8, 8, 1)
 VNNI_ASM_TILE(vnni_tile16_w4, 4, 0)
 VNNI_ASM_TILE(vnni_tile8_w4, 4, 1)
 #undef VNNI_ASM_TILE
+
+/* Eight rows against two panels (32 columns), int8 weights: each row's 4 inputs broadcast once into
+   a register and multiplied by both panels' weights. The 16-row tile broadcasts from memory for
+   every vpdpbusd; a register-only loop of this pattern runs at ~99% of the instruction's peak, the
+   16-row one at ~93% (Zen 5), and with each run's rescale 84-87% vs 80-84%. Rows 0-7 into a0-a7
+   (panel 0), a8-a15 (panel 1); their float32 sums into facc0 / facc1, per run as in vnni_asm_tile. */
+#define VNNI_DPR(acc, wv, xv) __asm__("vpdpbusd %2, %1, %0" : "+v"(a##acc) : "v"(wv), "v"(xv));
+#define VNNI_PAIR_ROW(r, r2, at)                                                                  \
+    {                                                                                             \
+        const __m512i xv = _mm512_set1_epi32(*(const int32_t *)(xb + r * W4_BLOCK + (at)));      \
+        VNNI_DPR(r, u, xv) VNNI_DPR(r2, v, xv)                                                    \
+    }
+static __attribute__((noinline)) void vnni_pair_tile_w8(const uint8_t *w0, const uint8_t *w1, const int8_t *xb,
+                                                        const float *xst, int64_t B, int64_t run, int64_t per_group,
+                                                        const float *gscale0, const float *gscale1, int64_t Np,
+                                                        float facc0[VNNI_ROWS][I8_PANEL],
+                                                        float facc1[VNNI_ROWS][I8_PANEL]) {
+    for (int r = 0; r < 8; r++) _mm512_store_ps(facc0[r], _mm512_setzero_ps()), _mm512_store_ps(facc1[r], _mm512_setzero_ps());
+    for (int64_t b0 = 0, g = 0, left = per_group; b0 < B; b0 += run) {
+        const int64_t b1 = b0 + run < B ? b0 + run : B;
+        __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+        __m512i a8 = a0, a9 = a0, a10 = a0, a11 = a0, a12 = a0, a13 = a0, a14 = a0, a15 = a0;
+        for (int64_t b = b0; b < b1; b++, xb += VNNI_ROWS * W4_BLOCK) {
+            for (int s = 0; s < W4_BLOCK / 4; s++, w0 += 64, w1 += 64) {
+                _mm_prefetch((const char *)w0 + VNNI_PREFETCH, _MM_HINT_T0);
+                _mm_prefetch((const char *)w1 + VNNI_PREFETCH, _MM_HINT_T0);
+                const __m512i u = _mm512_loadu_si512(w0), v = _mm512_loadu_si512(w1);
+                VNNI_PAIR_ROW(0, 8, 4 * s) VNNI_PAIR_ROW(1, 9, 4 * s) VNNI_PAIR_ROW(2, 10, 4 * s)
+                VNNI_PAIR_ROW(3, 11, 4 * s) VNNI_PAIR_ROW(4, 12, 4 * s) VNNI_PAIR_ROW(5, 13, 4 * s)
+                VNNI_PAIR_ROW(6, 14, 4 * s) VNNI_PAIR_ROW(7, 15, 4 * s)
+            }
+        }
+        const float *xsb = xst + (b1 - 1) * VNNI_ROWS;  /* the run's activation scale of each row */
+        const __m512 s0 = gscale0 ? _mm512_loadu_ps(gscale0 + g * Np) : _mm512_set1_ps(1.0f);
+        const __m512 s1 = gscale1 ? _mm512_loadu_ps(gscale1 + g * Np) : _mm512_set1_ps(1.0f);
+#define VNNI_PAIR_FLUSH(r, r2)                                                                    \
+    {                                                                                             \
+        const __m512 xs = _mm512_set1_ps(xsb[r]);                                                 \
+        const __m512 x0 = gscale0 ? _mm512_mul_ps(s0, xs) : xs, x1 = gscale1 ? _mm512_mul_ps(s1, xs) : xs; \
+        _mm512_store_ps(facc0[r], _mm512_fmadd_ps(_mm512_cvtepi32_ps(a##r), x0, _mm512_load_ps(facc0[r])));   \
+        _mm512_store_ps(facc1[r], _mm512_fmadd_ps(_mm512_cvtepi32_ps(a##r2), x1, _mm512_load_ps(facc1[r])));  \
+    }
+        VNNI_PAIR_FLUSH(0, 8) VNNI_PAIR_FLUSH(1, 9) VNNI_PAIR_FLUSH(2, 10) VNNI_PAIR_FLUSH(3, 11)
+        VNNI_PAIR_FLUSH(4, 12) VNNI_PAIR_FLUSH(5, 13) VNNI_PAIR_FLUSH(6, 14) VNNI_PAIR_FLUSH(7, 15)
+#undef VNNI_PAIR_FLUSH
+        left -= b1 - b0;  /* runs never span two groups */
+        if (left == 0) g++, left = per_group;
+    }
+}
+#undef VNNI_PAIR_ROW
+#undef VNNI_DPR
 #undef VNNI_STEP
 #undef VNNI_DP8_SECOND
 #undef VNNI_DP8_HIGH
 #undef VNNI_DP8
 #undef VNNI_DP
+
+/* A tile's rows m0 .. m0+mb-1 against one panel (columns n0 .. n0+nn-1) out of their float32 sums
+   facc: the column scale (int8 per channel), the outliers and zero-point term (vnni_row_finish),
+   the bias, stored in y's dtype. */
+static inline void vnni_finish_rows(const int mb, const int bits, float facc[VNNI_ROWS][I8_PANEL], int64_t m0,
+                                    const int32_t *on, const int32_t *ok, const float *ov, int64_t E, const float *xg,
+                                    int64_t G, const uint8_t *panel, const float *scales, const float *offsets,
+                                    int64_t Np, int64_t group, int64_t n0, int64_t nn, int64_t N, const float *bias,
+                                    void *y, const int y_bf16) {
+    const int per_channel = bits == 8 && G == 1;
+    const __mmask16 mask = (__mmask16)((1u << nn) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+    const __m512 column_scale = per_channel ? _mm512_loadu_ps(scales + n0) : _mm512_setzero_ps();
+    for (int r = 0; r < mb; r++) {
+        __m512 f = _mm512_load_ps(facc[r]);
+        if (per_channel) f = _mm512_mul_ps(f, column_scale);
+        const __m512 acc = vnni_row_finish(f, bits, m0 + r, on, ok, ov, E, xg, G, panel, scales, offsets, Np, group, n0);
+        const __m512 out = bias ? _mm512_add_ps(acc, bv) : acc;
+        if (y_bf16)
+            _mm256_mask_storeu_epi16((uint16_t *)y + (m0 + r) * N + n0, mask, f32x16_to_bf16(out));
+        else
+            _mm512_mask_storeu_ps((float *)y + (m0 + r) * N + n0, mask, out);
+    }
+}
 
 /* Rows m0 .. m0+mb-1 (m0 a multiple of VNNI_ROWS) of the quantized x, as quantize_tiles_int8 laid them
    out, against one panel of `bits`-bit weights (4: W4A8's panel, 8: the int8 one). Named
@@ -1076,19 +1151,8 @@ static inline __attribute__((always_inline)) void vnni_tile(const int mb, const 
         left -= b1 - b0;  /* runs never span two groups: the next run starts the next group here */
         if (left == 0) g++, left = per_group;
     }
-    const __mmask16 mask = (__mmask16)((1u << nn) - 1);
-    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
-    const __m512 column_scale = per_channel ? _mm512_loadu_ps(scales + n0) : _mm512_setzero_ps();
-    for (int r = 0; r < mb; r++) {
-        __m512 f = _mm512_load_ps(facc[r]);
-        if (per_channel) f = _mm512_mul_ps(f, column_scale);
-        const __m512 acc = vnni_row_finish(f, bits, m0 + r, on, ok, ov, E, xg, G, panel, scales, offsets, Np, group, n0);
-        const __m512 out = bias ? _mm512_add_ps(acc, bv) : acc;
-        if (y_bf16)
-            _mm256_mask_storeu_epi16((uint16_t *)y + (m0 + r) * N + n0, mask, f32x16_to_bf16(out));
-        else
-            _mm512_mask_storeu_ps((float *)y + (m0 + r) * N + n0, mask, out);
-    }
+    vnni_finish_rows(mb, bits, facc, m0, on, ok, ov, E, xg, G, panel, scales, offsets, Np, group, n0, nn, N, bias, y,
+                     y_bf16);
 }
 
 #define VNNI_ROW_TILES(TILE, ...)                                                                \
@@ -1116,6 +1180,49 @@ static inline __attribute__((always_inline)) void vnni_tile(const int mb, const 
     } while (0)
 #define vnni_tile_w4(mb, ...) vnni_tile(mb, 4, __VA_ARGS__)
 #define vnni_tile_w8(mb, ...) vnni_tile(mb, 8, __VA_ARGS__)
+
+/* int8 weights from VNNI_PAIR_MIN_ROWS rows: panels in pairs (vnni_pair_tile_w8), eight rows at a
+   time (each 16-row tile of xt in two halves), an odd last panel by the 16-row tile. Fewer rows
+   (decode) keep the 16-row tile, which multiplies each weight as it streams in from memory. */
+#define VNNI_PAIR_MIN_ROWS 32
+static void vnni_drive_pairs(const int8_t *xq, const float *xs, const float *xg, const int32_t *on, const int32_t *ok,
+                             const float *ov, int64_t M, int64_t Kp, int64_t G, int64_t run, const int8_t *panels,
+                             int64_t panel_bytes, const float *scales, const float *offsets, int64_t Np, int64_t group,
+                             int64_t N, const float *bias, void *y, const int y_bf16, int num_threads) {
+    const int64_t B = Kp / W4_BLOCK, E = B * W4_MAX_OUTLIERS, num_panels = (N + I8_PANEL - 1) / I8_PANEL;
+    const int64_t pairs = num_panels / 2, per_group = G == 1 ? B : group / W4_BLOCK;
+    const int per_channel = G == 1;
+    for (int64_t r0 = 0; r0 < M; r0 += I8_ROW_BLOCK) {  /* row blocks outermost, as I8_DRIVE */
+        const int64_t r1 = M - r0 < I8_ROW_BLOCK ? M : r0 + I8_ROW_BLOCK;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t q = 0; q < pairs + (num_panels & 1); q++) {
+            const int64_t p = 2 * q, n0 = p * I8_PANEL;
+            const int8_t *panel = panels + p * panel_bytes;
+            if (q == pairs) {  /* the odd last panel */
+                const int64_t nn = N - n0 < I8_PANEL ? N - n0 : I8_PANEL;
+                VNNI_ROW_TILES(vnni_tile_w8, xq, xs, xg, on, ok, ov, m0, Kp, G, run, panel, scales, offsets, Np, group,
+                               n0, nn, N, bias, y, y_bf16);
+                continue;
+            }
+            const int64_t n1 = n0 + I8_PANEL, nn1 = N - n1 < I8_PANEL ? N - n1 : I8_PANEL;
+            float facc0[VNNI_ROWS][I8_PANEL] __attribute__((aligned(64)));
+            float facc1[VNNI_ROWS][I8_PANEL] __attribute__((aligned(64)));
+            for (int64_t m0 = r0; m0 < r1; m0 += 8) {
+                const int mb = r1 - m0 < 8 ? (int)(r1 - m0) : 8;
+                /* rows past M are zero in xq: the tile runs all eight */
+                const int64_t tile = m0 / VNNI_ROWS, half = m0 % VNNI_ROWS;
+                vnni_pair_tile_w8((const uint8_t *)panel, (const uint8_t *)panel + panel_bytes,
+                                  xq + tile * B * VNNI_ROWS * W4_BLOCK + half * W4_BLOCK,
+                                  xs + tile * B * VNNI_ROWS + half, B, run, per_group,
+                                  per_channel ? NULL : scales + n0, per_channel ? NULL : scales + n1, Np, facc0, facc1);
+                vnni_finish_rows(mb, 8, facc0, m0, on, ok, ov, E, xg, G, (const uint8_t *)panel, scales, offsets, Np,
+                                 group, n0, I8_PANEL, N, bias, y, y_bf16);
+                vnni_finish_rows(mb, 8, facc1, m0, on, ok, ov, E, xg, G, (const uint8_t *)panel + panel_bytes, scales,
+                                 offsets, Np, group, n1, nn1, N, bias, y, y_bf16);
+            }
+        }
+    }
+}
 #else
 #define VNNI 0
 #endif
@@ -1160,7 +1267,10 @@ static int vnni_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const int8
     if (xg == NULL || ov == NULL || on == NULL || ok == NULL || xt == NULL || xst == NULL ||
         quantize_tiles_int8(x, x_bf16, M, K, Kp, group, W4_OUTLIER, run, xt, xst, xg, on, ok, ov, num_threads))
         goto done;
-    if (bits == 8)
+    if (bits == 8 && M >= VNNI_PAIR_MIN_ROWS)
+        vnni_drive_pairs(xt, xst, xg, on, ok, ov, M, Kp, G, run, panels, panel_bytes, scales, offsets, Np, group, N,
+                         bias, y, y_bf16, num_threads);
+    else if (bits == 8)
         I8_DRIVE_TILES(VNNI_ROW_TILES, vnni_tile_w8, xt, xst, xg, on, ok, ov, m0, Kp, G, run, panel, scales, offsets, Np,
                        group, n0, nn, N, bias, y, y_bf16);
     else
