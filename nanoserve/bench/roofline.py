@@ -12,6 +12,7 @@ achieved / the peak of its own instruction (`gemm_efficiency`).
 """
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,14 +30,22 @@ BANDWIDTH_BUFFER_BYTES = 256 * 2**20
 
 
 def _time_call(fn: Callable[[], object], min_time: float = 0.2) -> float:
+    """Seconds per call of fn, with Python's cyclic garbage collector held off: a collection over a
+    process that imported torch takes milliseconds, the size of a whole 64-row pass here."""
     fn()
-    n, start = 0, time.perf_counter()
-    while True:
-        fn()
-        n += 1
-        elapsed = time.perf_counter() - start
-        if elapsed > min_time and n >= 3:
-            return elapsed / n
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        n, start = 0, time.perf_counter()
+        while True:
+            fn()
+            n += 1
+            elapsed = time.perf_counter() - start
+            if elapsed > min_time and n >= 3:
+                return elapsed / n
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def _panel_gemm() -> GemmPath | None:
