@@ -1036,7 +1036,6 @@ static __attribute__((noinline)) void vnni_pair_tile_w8(const uint8_t *w0, const
                                                         const float *gscale0, const float *gscale1, int64_t Np,
                                                         float facc0[VNNI_ROWS][I8_PANEL],
                                                         float facc1[VNNI_ROWS][I8_PANEL]) {
-    for (int r = 0; r < 8; r++) _mm512_store_ps(facc0[r], _mm512_setzero_ps()), _mm512_store_ps(facc1[r], _mm512_setzero_ps());
     for (int64_t b0 = 0, g = 0, left = per_group; b0 < B; b0 += run) {
         const int64_t b1 = b0 + run < B ? b0 + run : B;
         __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
@@ -1058,8 +1057,9 @@ static __attribute__((noinline)) void vnni_pair_tile_w8(const uint8_t *w0, const
     {                                                                                             \
         const __m512 xs = _mm512_set1_ps(xsb[r]);                                                 \
         const __m512 x0 = gscale0 ? _mm512_mul_ps(s0, xs) : xs, x1 = gscale1 ? _mm512_mul_ps(s1, xs) : xs; \
-        _mm512_store_ps(facc0[r], _mm512_fmadd_ps(_mm512_cvtepi32_ps(a##r), x0, _mm512_load_ps(facc0[r])));   \
-        _mm512_store_ps(facc1[r], _mm512_fmadd_ps(_mm512_cvtepi32_ps(a##r2), x1, _mm512_load_ps(facc1[r])));  \
+        const __m512 p0 = _mm512_cvtepi32_ps(a##r), p1 = _mm512_cvtepi32_ps(a##r2);                \
+        _mm512_store_ps(facc0[r], b0 ? _mm512_fmadd_ps(p0, x0, _mm512_load_ps(facc0[r])) : _mm512_mul_ps(p0, x0)); \
+        _mm512_store_ps(facc1[r], b0 ? _mm512_fmadd_ps(p1, x1, _mm512_load_ps(facc1[r])) : _mm512_mul_ps(p1, x1)); \
     }
         VNNI_PAIR_FLUSH(0, 8) VNNI_PAIR_FLUSH(1, 9) VNNI_PAIR_FLUSH(2, 10) VNNI_PAIR_FLUSH(3, 11)
         VNNI_PAIR_FLUSH(4, 12) VNNI_PAIR_FLUSH(5, 13) VNNI_PAIR_FLUSH(6, 14) VNNI_PAIR_FLUSH(7, 15)
@@ -1088,10 +1088,14 @@ static inline void vnni_finish_rows(const int mb, const int bits, float facc[VNN
     const __mmask16 mask = (__mmask16)((1u << nn) - 1);
     const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
     const __m512 column_scale = per_channel ? _mm512_loadu_ps(scales + n0) : _mm512_setzero_ps();
+    const __m512 column_offset = per_channel ? _mm512_loadu_ps(offsets + n0) : _mm512_setzero_ps();
     for (int r = 0; r < mb; r++) {
         __m512 f = _mm512_load_ps(facc[r]);
         if (per_channel) f = _mm512_mul_ps(f, column_scale);
-        const __m512 acc = vnni_row_finish(f, bits, m0 + r, on, ok, ov, E, xg, G, panel, scales, offsets, Np, group, n0);
+        /* per channel without outliers (most rows): vnni_row_finish's one remaining operation */
+        const __m512 acc = per_channel && on[m0 + r] == 0
+            ? _mm512_fmadd_ps(_mm512_set1_ps(xg[m0 + r]), column_offset, f)
+            : vnni_row_finish(f, bits, m0 + r, on, ok, ov, E, xg, G, panel, scales, offsets, Np, group, n0);
         const __m512 out = bias ? _mm512_add_ps(acc, bv) : acc;
         if (y_bf16)
             _mm256_mask_storeu_epi16((uint16_t *)y + (m0 + r) * N + n0, mask, f32x16_to_bf16(out));
