@@ -546,7 +546,8 @@ static inline float float_below(double limit) {
     return below;
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#define QUANTIZE_ZMM 1
 /* block_outliers_avx2 and quantize_block_avx2 in two zmm a block: the same decisions and values
    (the double sum in another order: an ulp of the limit at most, as there). */
 static inline float block_outliers_zmm(const float *x, int32_t *ok, float *ov, int *n_out, int64_t k0, double outlier,
@@ -579,6 +580,96 @@ static inline int32_t quantize_block_zmm(const float *x, float below, float inv_
     _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtsepi32_epi8(q1));
     return _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
 }
+
+/* Sixteen blocks at a time: their sums, thresholds, maxima and quantized sums reduced together,
+   lane j of one vector per block j (a transposing tree of shuffles), where a horizontal reduction
+   per block and figure (a chain of ~8 dependent operations each) made most of the quantizer's time. */
+/* 16 vectors v[j] -> one vector whose lane j is OP over v[j]'s 16 lanes (OP a float32 or int32 op) */
+#define TRANSPOSE_REDUCE16(OP, v, out)                                                                      \
+    do {                                                                                                    \
+        __m512 t[8], u[4], w[2];                                                                            \
+        for (int i = 0; i < 8; i++)  /* each 128-bit chunk: [a0 a1 a2 a3], [b0 ..] -> [a02 b02 a13 b13] */ \
+            t[i] = OP(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));  \
+        for (int i = 0; i < 4; i++) {  /* -> [a b c d] per chunk, each over its chunk's 4 lanes */         \
+            const __m512d x = _mm512_castps_pd(t[2 * i]), y = _mm512_castps_pd(t[2 * i + 1]);            \
+            u[i] = OP(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y))); \
+        }                                                                                                   \
+        for (int i = 0; i < 2; i++)  /* chunks (0, 1) and (2, 3) of two such vectors */                    \
+            w[i] = OP(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88), _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD)); \
+        out = OP(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));          \
+    } while (0)
+#define MAX_PS(a, b) _mm512_max_ps(a, b)
+#define ADD_EPI32(a, b) _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)))
+
+/* block_outliers for the 16 whole blocks at x (inputs k0 ..): below[j] and amax[j] of each */
+static inline void blocks16_outliers_zmm(const float *x, int64_t k0, double outlier, int32_t *ok, float *ov,
+                                         int *n_out, float *below, float *amax) {
+    __m512d d[16];
+    for (int j = 0; j < 16; j++) {
+        const __m512 v0 = _mm512_abs_ps(_mm512_loadu_ps(x + 32 * j)), v1 = _mm512_abs_ps(_mm512_loadu_ps(x + 32 * j + 16));
+        d[j] = _mm512_add_pd(_mm512_add_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(v0)),
+                                           _mm512_cvtps_pd(_mm512_extractf32x8_ps(v0, 1))),
+                             _mm512_add_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(v1)),
+                                           _mm512_cvtps_pd(_mm512_extractf32x8_ps(v1, 1))));
+    }
+    for (int h = 0; h < 2; h++) {  /* blocks 8h .. 8h+7: their double sums, lane j the block's */
+        __m512d t[4], u[2];
+        for (int i = 0; i < 4; i++)
+            t[i] = _mm512_add_pd(_mm512_unpacklo_pd(d[8 * h + 2 * i], d[8 * h + 2 * i + 1]),
+                                 _mm512_unpackhi_pd(d[8 * h + 2 * i], d[8 * h + 2 * i + 1]));
+        for (int i = 0; i < 2; i++)
+            u[i] = _mm512_add_pd(_mm512_shuffle_f64x2(t[2 * i], t[2 * i + 1], 0x88),
+                                 _mm512_shuffle_f64x2(t[2 * i], t[2 * i + 1], 0xDD));
+        const __m512d sum = _mm512_add_pd(_mm512_shuffle_f64x2(u[0], u[1], 0x88), _mm512_shuffle_f64x2(u[0], u[1], 0xDD));
+        /* float_below, eight lanes at once: outlier * sum / 32, rounded to float, one ulp down if above */
+        const __m512d limit = _mm512_mul_pd(_mm512_mul_pd(sum, _mm512_set1_pd(outlier)), _mm512_set1_pd(1.0 / W4_BLOCK));
+        __m256 f = _mm512_cvtpd_ps(limit);
+        const __mmask8 up = _mm512_cmp_pd_mask(_mm512_cvtps_pd(f), limit, _CMP_GT_OQ) &
+                            _mm256_cmp_ps_mask(f, _mm256_setzero_ps(), _CMP_GT_OQ);
+        f = _mm256_castsi256_ps(_mm256_mask_sub_epi32(_mm256_castps_si256(f), up, _mm256_castps_si256(f), _mm256_set1_epi32(1)));
+        _mm256_storeu_ps(below + 8 * h, f);
+    }
+    __m512 m[16];
+    for (int j = 0; j < 16; j++) {
+        const __m512 t = _mm512_set1_ps(below[j]);
+        const __m512 v0 = _mm512_abs_ps(_mm512_loadu_ps(x + 32 * j)), v1 = _mm512_abs_ps(_mm512_loadu_ps(x + 32 * j + 16));
+        const __mmask16 o0 = _mm512_cmp_ps_mask(v0, t, _CMP_GT_OQ), o1 = _mm512_cmp_ps_mask(v1, t, _CMP_GT_OQ);
+        for (uint32_t bits = (uint32_t)o0 | ((uint32_t)o1 << 16); bits; bits &= bits - 1) {
+            const int i = __builtin_ctz(bits);
+            ok[*n_out] = (int32_t)(k0 + 32 * j + i), ov[*n_out] = x[32 * j + i], (*n_out)++;
+        }
+        m[j] = _mm512_max_ps(_mm512_maskz_mov_ps((__mmask16)~o0, v0), _mm512_maskz_mov_ps((__mmask16)~o1, v1));
+    }
+    __m512 out;
+    TRANSPOSE_REDUCE16(MAX_PS, m, out);
+    _mm512_storeu_ps(amax, out);
+}
+
+/* quantize_block for 16 whole blocks at x: block j's 32 bytes at q + j * q_stride, with its threshold
+   below[j] and 127 / amax inv[j]; the sum of each block's values into sums[j] */
+static inline void blocks16_quantize_zmm(const float *x, const float *below, const float *inv, int8_t *q,
+                                         int64_t q_stride, int32_t *sums) {
+    __m512 v[16];
+    for (int j = 0; j < 16; j++) {
+        const __m512 t = _mm512_set1_ps(below[j]), scale = _mm512_set1_ps(inv[j]);
+        const __m512 x0 = _mm512_loadu_ps(x + 32 * j), x1 = _mm512_loadu_ps(x + 32 * j + 16);
+        const __mmask16 k0 = _mm512_cmp_ps_mask(_mm512_abs_ps(x0), t, _CMP_LE_OQ);
+        const __mmask16 k1 = _mm512_cmp_ps_mask(_mm512_abs_ps(x1), t, _CMP_LE_OQ);
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_maskz_mul_ps(k0, x0, scale));
+        const __m512i q1 = _mm512_cvtps_epi32(_mm512_maskz_mul_ps(k1, x1, scale));
+        _mm_storeu_si128((__m128i *)(q + j * q_stride), _mm512_cvtsepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(q + j * q_stride + 16), _mm512_cvtsepi32_epi8(q1));
+        v[j] = _mm512_castsi512_ps(_mm512_add_epi32(q0, q1));
+    }
+    __m512 out;
+    TRANSPOSE_REDUCE16(ADD_EPI32, v, out);
+    _mm512_storeu_si512(sums, _mm512_castps_si512(out));
+}
+#undef ADD_EPI32
+#undef MAX_PS
+#undef TRANSPOSE_REDUCE16
+#else
+#define QUANTIZE_ZMM 0
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -639,7 +730,7 @@ static inline int32_t quantize_block_avx2(const float *x, float below, float inv
    appended to ok / ov; returns the amax of the rest, its threshold in *below. */
 static inline float block_outliers(const float *xr, int64_t k0, int64_t k1, double outlier, int32_t *ok, float *ov,
                                    int *n_out, float *below) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if QUANTIZE_ZMM
     if (k1 - k0 == W4_BLOCK) return block_outliers_zmm(xr + k0, ok, ov, n_out, k0, outlier, below);
 #elif defined(__AVX2__) && defined(__FMA__)
     if (k1 - k0 == W4_BLOCK) return block_outliers_avx2(xr + k0, ok, ov, n_out, k0, outlier, below);
@@ -657,7 +748,7 @@ static inline float block_outliers(const float *xr, int64_t k0, int64_t k1, doub
 
 /* The block's inputs k0 .. k1-1 quantized into q[0..31] (zero past k1 and at the outliers); their sum. */
 static inline int32_t quantize_block(const float *xr, int64_t k0, int64_t k1, float below, float inv, int8_t *q) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if QUANTIZE_ZMM
     if (k1 - k0 == W4_BLOCK) return quantize_block_zmm(xr + k0, below, inv, q);
 #elif defined(__AVX2__) && defined(__FMA__)
     if (k1 - k0 == W4_BLOCK) return quantize_block_avx2(xr + k0, below, inv, q);
@@ -675,22 +766,50 @@ static inline int32_t quantize_block(const float *xr, int64_t k0, int64_t k1, fl
 static void quantize_row_int8(const float *xr, int64_t K, int64_t B, int64_t G, int64_t group, double outlier,
                               int64_t scale_blocks, int8_t *q, int64_t q_stride, float *s, int64_t s_stride, float *xg,
                               int32_t *on, int32_t *ok, float *ov) {
-    float below[B], amax[B]; /* B: a few KiB at most */
+    float below[B], amax[B], inv[B]; /* B: a few KiB at most */
+    int32_t sums[B];
     int n_out = 0;
-    for (int64_t b = 0; b < B; b++) {
+    const int64_t whole = K / W4_BLOCK;  /* blocks of 32 real inputs */
+    int64_t b = 0;
+#if QUANTIZE_ZMM
+    for (; b + 16 <= whole; b += 16)
+        blocks16_outliers_zmm(xr + b * W4_BLOCK, b * W4_BLOCK, outlier, ok, ov, &n_out, below + b, amax + b);
+#endif
+    for (; b < B; b++) {
         const int64_t k0 = b * W4_BLOCK, k1 = k0 + W4_BLOCK < K ? k0 + W4_BLOCK : K;
         amax[b] = block_outliers(xr, k0, k1, outlier, ok, ov, &n_out, &below[b]);
     }
-    for (int64_t b0 = 0; b0 < B; b0 += scale_blocks)  /* each run of blocks takes its largest amax */
-        for (int64_t b = b0 + 1; b < b0 + scale_blocks && b < B; b++) amax[b0] = fmaxf(amax[b0], amax[b]);
-    for (int64_t g = 0; g < G; g++) xg[g] = 0.0f;
-    for (int64_t b = 0; b < B; b++) {
+    /* each run of blocks takes its largest amax (no division or modulo per block: an integer
+       division a block was most of the quantizer's time) */
+    float scale[B];
+    for (int64_t b0 = 0; b0 < B; b0 += scale_blocks) {
+        const int64_t b1 = b0 + scale_blocks < B ? b0 + scale_blocks : B;
+        float a = amax[b0];
+        for (int64_t b = b0 + 1; b < b1; b++) a = a > amax[b] ? a : amax[b];
+        const float run_inv = a > 0.0f ? 127.0f / a : 0.0f, run_scale = a / 127.0f;
+        for (int64_t b = b0; b < b1; b++) inv[b] = run_inv, scale[b] = run_scale;
+    }
+    b = 0;
+#if QUANTIZE_ZMM
+    for (; b + 16 <= whole; b += 16) blocks16_quantize_zmm(xr + b * W4_BLOCK, below + b, inv + b, q + b * q_stride, q_stride, sums + b);
+#endif
+    for (; b < B; b++) {
         const int64_t k0 = b * W4_BLOCK, k1 = k0 + W4_BLOCK < K ? k0 + W4_BLOCK : K;
-        const float a = amax[b - b % scale_blocks];
-        const float inv = a > 0.0f ? 127.0f / a : 0.0f, scale = a / 127.0f;
-        const int32_t sum = quantize_block(xr, k0, k1, below[b], inv, q + b * q_stride);
-        s[b * s_stride] = scale;
-        xg[k0 / group] += scale * (float)sum;
+        sums[b] = quantize_block(xr, k0, k1, below[b], inv[b], q + b * q_stride);
+    }
+    for (int64_t b = 0; b < B; b++) s[b * s_stride] = scale[b];
+    for (int64_t g = 0; g < G; g++) xg[g] = 0.0f;
+    if (group >= K || group % W4_BLOCK == 0) {  /* groups of whole blocks (W4A8, VNNI), or one group */
+        const int64_t per_group = group >= K ? B : group / W4_BLOCK;
+        /* each group's sum in a register, in the same order: through memory, the store-to-load
+           chain from one block to the next held the whole quantizer to it */
+        for (int64_t b0 = 0, g = 0; b0 < B; b0 += per_group, g++) {
+            float sum = 0.0f;
+            for (int64_t b = b0; b < b0 + per_group && b < B; b++) sum += scale[b] * (float)sums[b];
+            xg[g] = sum;
+        }
+    } else {
+        for (int64_t b = 0; b < B; b++) xg[b * W4_BLOCK / group] += scale[b] * (float)sums[b];
     }
     *on = n_out;
 }
