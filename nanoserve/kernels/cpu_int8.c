@@ -546,7 +546,7 @@ static inline float float_below(double limit) {
     return below;
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
 #define QUANTIZE_ZMM 1
 /* block_outliers_avx2 and quantize_block_avx2 in two zmm a block: the same decisions and values
    (the double sum in another order: an ulp of the limit at most, as there). */
@@ -770,6 +770,7 @@ static void quantize_row_int8(const float *xr, int64_t K, int64_t B, int64_t G, 
     int32_t sums[B];
     int n_out = 0;
     const int64_t whole = K / W4_BLOCK;  /* blocks of 32 real inputs */
+    (void)whole;  /* read by the zmm paths only */
     int64_t b = 0;
 #if QUANTIZE_ZMM
     for (; b + 16 <= whole; b += 16)
@@ -801,15 +802,16 @@ static void quantize_row_int8(const float *xr, int64_t K, int64_t B, int64_t G, 
     for (int64_t g = 0; g < G; g++) xg[g] = 0.0f;
     if (group >= K || group % W4_BLOCK == 0) {  /* groups of whole blocks (W4A8, VNNI), or one group */
         const int64_t per_group = group >= K ? B : group / W4_BLOCK;
-        /* each group's sum in a register, in the same order: through memory, the store-to-load
-           chain from one block to the next held the whole quantizer to it */
+        /* each group's sum in a register, in the same order and fused as before (fmaf, not left to
+           the compiler): through memory, the store-to-load chain from one block to the next held
+           the whole quantizer to it */
         for (int64_t b0 = 0, g = 0; b0 < B; b0 += per_group, g++) {
             float sum = 0.0f;
-            for (int64_t b = b0; b < b0 + per_group && b < B; b++) sum += scale[b] * (float)sums[b];
+            for (int64_t b = b0; b < b0 + per_group && b < B; b++) sum = fmaf(scale[b], (float)sums[b], sum);
             xg[g] = sum;
         }
     } else {
-        for (int64_t b = 0; b < B; b++) xg[b * W4_BLOCK / group] += scale[b] * (float)sums[b];
+        for (int64_t b = 0; b < B; b++) xg[b * W4_BLOCK / group] = fmaf(scale[b], (float)sums[b], xg[b * W4_BLOCK / group]);
     }
     *on = n_out;
 }
@@ -950,7 +952,7 @@ static inline __attribute__((always_inline)) void w4a8_tile(const int mb, const 
 /* AVX2 W4A8 tile's, so both give the same bits. int8 weights: per run of VNNI_SCALE_BLOCKS blocks */
 /* (one activation scale), and per channel the column scale once at the end.                       */
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define VNNI 1
 #define VNNI_PREFETCH 8192 /* bytes ahead: the first row tile of a panel streams it from DRAM */
 #define VNNI_ROWS 16 /* rows per tile, one int32 chain each (two for up to 8 rows): a decode step's 16 rows
@@ -1147,7 +1149,9 @@ VNNI_ASM_TILE(vnni_tile8_w4, 4, 1)
 #define VNNI_DPR(acc, wv, xv) __asm__("vpdpbusd %2, %1, %0" : "+v"(a##acc) : "v"(wv), "v"(xv));
 #define VNNI_PAIR_ROW(r, r2, at)                                                                  \
     {                                                                                             \
-        const __m512i xv = _mm512_set1_epi32(*(const int32_t *)(xb + r * W4_BLOCK + (at)));      \
+        int32_t x4;                                                                               \
+        memcpy(&x4, xb + r * W4_BLOCK + (at), 4);                                                 \
+        const __m512i xv = _mm512_set1_epi32(x4);                                                 \
         VNNI_DPR(r, u, xv) VNNI_DPR(r2, v, xv)                                                    \
     }
 static __attribute__((noinline)) void vnni_pair_tile_w8(const uint8_t *w0, const uint8_t *w1, const int8_t *xb,
