@@ -522,3 +522,20 @@ def test_int8_never_requantizes_what_the_checkpoint_quantized(checkpoints, model
     assert type(int8.engine.model_runner.model.lm_head.gemm) is Int8Gemm
     prompts = [{"prompt_token_ids": p} for p in random_prompts(2, 4, 12, seed=5)]
     assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in int8.generate(prompts, GREEDY, use_tqdm=False))
+
+
+@needs_int8
+def test_int8_head_rows_shard_with_the_vocabulary(tiny_model):
+    """Tensor parallelism: each rank's tied embedding reads its own vocabulary shard of the int8 head.
+    Only the row-parallel layers quantize differently per rank (their scales span a rank's inputs),
+    so TP 2 stays next to TP 1; a wrong shard of rows would scramble every token."""
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(4, 4, 12, seed=11)]
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=1)
+    kw = dict(dtype="float32", max_model_len=128, num_kvcache_blocks=64, quantization="int8")
+    tp1 = LLM(tiny_model, **kw).generate(prompts, params, use_tqdm=False)
+    with LLM(tiny_model, tensor_parallel_size=2, **kw) as llm:
+        tp2 = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(tp1, tp2):
+        token = a.outputs[0].token_ids[0]
+        assert b.outputs[0].token_ids[0] == token
+        assert abs(a.outputs[0].logprobs[0][token].logprob - b.outputs[0].logprobs[0][token].logprob) < 0.05
