@@ -548,40 +548,8 @@ static inline float float_below(double limit) {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
 #define QUANTIZE_ZMM 1
-/* block_outliers_avx2 and quantize_block_avx2 in two zmm a block: the same decisions and values
-   (the double sum in another order: an ulp of the limit at most, as there). */
-static inline float block_outliers_zmm(const float *x, int32_t *ok, float *ov, int *n_out, int64_t k0, double outlier,
-                                       float *below) {
-    const __m512 v0 = _mm512_abs_ps(_mm512_loadu_ps(x)), v1 = _mm512_abs_ps(_mm512_loadu_ps(x + 16));
-    const __m512d d = _mm512_add_pd(_mm512_add_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(v0)),
-                                                  _mm512_cvtps_pd(_mm512_extractf32x8_ps(v0, 1))),
-                                    _mm512_add_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(v1)),
-                                                  _mm512_cvtps_pd(_mm512_extractf32x8_ps(v1, 1))));
-    *below = float_below(outlier * _mm512_reduce_add_pd(d) / (double)W4_BLOCK);
-    const __m512 t = _mm512_set1_ps(*below);
-    const __mmask16 o0 = _mm512_cmp_ps_mask(v0, t, _CMP_GT_OQ), o1 = _mm512_cmp_ps_mask(v1, t, _CMP_GT_OQ);
-    for (uint32_t bits = (uint32_t)o0 | ((uint32_t)o1 << 16); bits; bits &= bits - 1) {
-        const int j = __builtin_ctz(bits);
-        ok[*n_out] = (int32_t)(k0 + j), ov[*n_out] = x[j], (*n_out)++;
-    }
-    /* outliers do not set the scale */
-    return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_maskz_mov_ps((__mmask16)~o0, v0), _mm512_maskz_mov_ps((__mmask16)~o1, v1)));
-}
-
-static inline int32_t quantize_block_zmm(const float *x, float below, float inv_scalar, int8_t *q) {
-    const __m512 t = _mm512_set1_ps(below), inv = _mm512_set1_ps(inv_scalar);
-    const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
-    const __mmask16 k0 = _mm512_cmp_ps_mask(_mm512_abs_ps(x0), t, _CMP_LE_OQ);
-    const __mmask16 k1 = _mm512_cmp_ps_mask(_mm512_abs_ps(x1), t, _CMP_LE_OQ);
-    /* cvtps rounds half to even in the default mode, as nearbyintf; |q| <= 127, so no saturation */
-    const __m512i q0 = _mm512_cvtps_epi32(_mm512_maskz_mul_ps(k0, x0, inv));
-    const __m512i q1 = _mm512_cvtps_epi32(_mm512_maskz_mul_ps(k1, x1, inv));
-    _mm_storeu_si128((__m128i *)q, _mm512_cvtsepi32_epi8(q0));
-    _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtsepi32_epi8(q1));
-    return _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-}
-
-/* Sixteen blocks at a time: their sums, thresholds, maxima and quantized sums reduced together,
+/* block_outliers and quantize_block on sixteen whole blocks at a time (a row's last few run the AVX2
+   versions): their sums, thresholds, maxima and quantized sums reduced together,
    lane j of one vector per block j (a transposing tree of shuffles), where a horizontal reduction
    per block and figure (a chain of ~8 dependent operations each) made most of the quantizer's time. */
 /* 16 vectors v[j] -> one vector whose lane j is OP over v[j]'s 16 lanes (OP a float32 or int32 op) */
@@ -730,9 +698,7 @@ static inline int32_t quantize_block_avx2(const float *x, float below, float inv
    appended to ok / ov; returns the amax of the rest, its threshold in *below. */
 static inline float block_outliers(const float *xr, int64_t k0, int64_t k1, double outlier, int32_t *ok, float *ov,
                                    int *n_out, float *below) {
-#if QUANTIZE_ZMM
-    if (k1 - k0 == W4_BLOCK) return block_outliers_zmm(xr + k0, ok, ov, n_out, k0, outlier, below);
-#elif defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__)
     if (k1 - k0 == W4_BLOCK) return block_outliers_avx2(xr + k0, ok, ov, n_out, k0, outlier, below);
 #endif
     double abs_sum = 0.0;
@@ -748,9 +714,7 @@ static inline float block_outliers(const float *xr, int64_t k0, int64_t k1, doub
 
 /* The block's inputs k0 .. k1-1 quantized into q[0..31] (zero past k1 and at the outliers); their sum. */
 static inline int32_t quantize_block(const float *xr, int64_t k0, int64_t k1, float below, float inv, int8_t *q) {
-#if QUANTIZE_ZMM
-    if (k1 - k0 == W4_BLOCK) return quantize_block_zmm(xr + k0, below, inv, q);
-#elif defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__)
     if (k1 - k0 == W4_BLOCK) return quantize_block_avx2(xr + k0, below, inv, q);
 #endif
     int32_t sum = 0;
