@@ -99,7 +99,8 @@ def test_workload_spec_rejects_bad_input(kwargs, field):
 
 def test_cli_rejects_bad_flags(tiny_model):
     for argv in (["--repeat", "0"], ["--workload", "mixed", "--compare", "vllm"], ["--arch", "no-such-model"],
-                 ["--model", tiny_model, "--arch", DEFAULT_ARCH], ["--input-len", "9", "3"]):
+                 ["--model", tiny_model, "--arch", DEFAULT_ARCH], ["--input-len", "9", "3"],
+                 ["--accuracy-trained-steps", "-1"]):
         with pytest.raises(SystemExit):
             parse_args(argv)
     assert DEFAULT_ARCH in available_archs()

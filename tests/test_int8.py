@@ -200,6 +200,60 @@ def test_accuracy_gate_on_a_checkpoint_with_outlier_channels(tiny_model, tmp_pat
         assert vnni.mean_abs_logprob_diff <= 1.3 * w8a16.mean_abs_logprob_diff < w8a8.mean_abs_logprob_diff
 
 
+# A small trained model for the gate: ~20 s of training on two cores, built once into the cache.
+TRAINED = {"steps": 400, "hidden_size": 128, "num_hidden_layers": 2, "intermediate_size": 384, "head_dim": 32}
+
+
+@needs_kernel
+def test_accuracy_gate_on_a_trained_checkpoint_with_outlier_channels():
+    """The gate on a model that predicts like a language model (trained on text, outlier channels
+    from its first step), scored on held-out text: per-channel int8 weights cost about what bf16's
+    own rounding costs, the 64-input activation scales of VNNI little more, per-token W8A8 pays
+    for the outlier channels."""
+    from transformers import AutoModelForCausalLM
+
+    from nanoserve.bench.accuracy import int8_paths, measure_accuracy
+    from nanoserve.bench.trained_checkpoint import ensure_trained_checkpoint, heldout_windows
+
+    model = ensure_trained_checkpoint(**TRAINED)
+    prompts, teachers = heldout_windows(model, 16, 48, 24)
+    # it is trained: held-out text costs far less than the uniform ln(1000) = 6.9 nats a token,
+    # and its outlier channels survived training
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    with torch.no_grad():
+        ids = torch.tensor([p + t for p, t in zip(prompts, teachers)])
+        assert hf(input_ids=ids, labels=ids).loss.item() < 4.5
+    assert hf.model.layers[0].input_layernorm.weight.max().item() > 15
+
+    paths = {**int8_paths(), "fp32": {"llm": {"dtype": "float32"}}}
+    results, used = measure_accuracy(model, prompts, 24, paths, teachers, device="cpu", dtype="bfloat16",
+                                     max_model_len=128)
+    assert used == teachers
+    got = {r.path: r for r in results}
+    assert all(r.positions == 16 * 24 for r in results)
+    floor, w8a16, w8a8 = got["fp32"], got["int8 W8A16"], got["int8 W8A8"]
+    assert 0 < floor.mean_abs_logprob_diff < w8a16.mean_abs_logprob_diff <= 3.5 * floor.mean_abs_logprob_diff
+    assert w8a16.top1_agreement >= floor.top1_agreement - 0.05
+    assert w8a8.mean_abs_logprob_diff > 1.5 * w8a16.mean_abs_logprob_diff  # the outliers cost per-token W8A8
+    if "int8 W8A8 VNNI" in got:
+        vnni = got["int8 W8A8 VNNI"]
+        assert vnni.mean_abs_logprob_diff <= 1.6 * w8a16.mean_abs_logprob_diff < w8a8.mean_abs_logprob_diff
+
+
+def test_trained_checkpoint_arguments_are_checked(tmp_path):
+    from nanoserve.bench.accuracy import measure_accuracy
+    from nanoserve.bench.trained_checkpoint import HELDOUT_FILE, ensure_trained_checkpoint, heldout_windows
+
+    with pytest.raises(ValueError, match="steps must be an int >= 1"):
+        ensure_trained_checkpoint(0)
+    (tmp_path / HELDOUT_FILE).write_text("[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]")
+    assert heldout_windows(str(tmp_path), 2, 3, 2) == ([[1, 2, 3], [6, 7, 8]], [[4, 5], [9, 10]])
+    with pytest.raises(ValueError, match="3 windows of 5 tokens do not fit in the 10 held-out tokens"):
+        heldout_windows(str(tmp_path), 3, 3, 2)
+    with pytest.raises(ValueError, match=r"teachers: one list per prompt \(2\), got 1"):
+        measure_accuracy(str(tmp_path), [[1], [2]], 4, {"bf16": {}}, [[3]])
+
+
 # ---- bench.py ----------------------------------------------------------------------------------------
 
 @needs_kernel
@@ -226,9 +280,10 @@ def test_bench_accuracy_reports_every_path_on_both_checkpoints(tiny_model):
     from nanoserve.bench.cli import main
 
     report = main(["--model", tiny_model, "--num-seqs", "2", "--input-len", "5", "9", "--accuracy",
-                   "--accuracy-tokens", "4"])
-    for name in ("checkpoint", "with outlier channels"):
-        rows = report["accuracy"][name]
+                   "--accuracy-tokens", "4", "--accuracy-prompts", "2", "--accuracy-trained-steps", "2"])
+    trained = "trained, with outlier channels, held-out text"
+    assert list(report["accuracy"]) == ["checkpoint", "with outlier channels", trained]
+    for name, rows in report["accuracy"].items():
         vnni = ["int8 W8A8 VNNI"] if LIB.vnni_supported() else []
         assert [r["path"] for r in rows] == ["bf16", "int8 W8A16", "int8 W8A8", *vnni, "float32 (floor)"]
         assert all(r["positions"] == 8 and 0 <= r["top1_agreement"] <= 1 for r in rows)

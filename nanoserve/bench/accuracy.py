@@ -39,9 +39,7 @@ def realistic_checkpoint(src: str, dst: str, seed: int = 0) -> str:
     g = torch.Generator().manual_seed(seed)
     with open(os.path.join(src, "config.json")) as f:
         hidden = json.load(f)["hidden_size"]
-    channels = torch.randperm(hidden, generator=g)[:OUTLIER_CHANNELS]
-    lo, hi = OUTLIER_GAINS
-    gains = lo * (hi / lo) ** torch.rand(OUTLIER_CHANNELS, generator=g)  # log-uniform in [lo, hi]
+    channels, gains = _outlier_channels(hidden, g)
     os.makedirs(dst, exist_ok=True)
     for name in os.listdir(src):
         path = os.path.join(src, name)
@@ -51,6 +49,19 @@ def realistic_checkpoint(src: str, dst: str, seed: int = 0) -> str:
         elif os.path.isfile(path):
             shutil.copy(path, os.path.join(dst, name))
     return dst
+
+
+def with_outlier_statistics(tensors: dict[str, torch.Tensor], hidden: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """`tensors` (one state dict) with realistic_checkpoint's outlier channels and weight spread."""
+    g = torch.Generator().manual_seed(seed)
+    channels, gains = _outlier_channels(hidden, g)
+    return _transform(tensors, channels, gains, g)
+
+
+def _outlier_channels(hidden: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    channels = torch.randperm(hidden, generator=g)[:OUTLIER_CHANNELS]
+    lo, hi = OUTLIER_GAINS
+    return channels, lo * (hi / lo) ** torch.rand(OUTLIER_CHANNELS, generator=g)  # log-uniform in [lo, hi]
 
 
 def _transform(tensors: dict[str, torch.Tensor], channels: torch.Tensor, gains: torch.Tensor,
@@ -114,11 +125,14 @@ def _top1(entry: dict) -> int:
 
 
 def measure_accuracy(model: str, prompts: list[list[int]], num_tokens: int, paths: dict[str, dict],
-                     **llm_kwargs) -> tuple[list[PathAccuracy], list[list[int]]]:
+                     teachers: list[list[int]] | None = None, **llm_kwargs) -> tuple[list[PathAccuracy], list[list[int]]]:
     """paths: name -> {"quantization": ..., "int8": NANOSERVE_CPU_INT8 or None, "llm": other LLM kwargs, "model": another
-    checkpoint (e.g. a quantized one's float twin) instead of `model`}; the first is the reference that makes the teacher
-    tokens. Returns each path's figures and the teachers."""
-    results, reference, teachers = [], None, None
+    checkpoint (e.g. a quantized one's float twin) instead of `model`}; the first is the reference, which makes the
+    teacher tokens (num_tokens greedy ones) unless `teachers` gives them (e.g. held-out text). Returns each path's
+    figures and the teachers."""
+    if teachers is not None and len(teachers) != len(prompts):
+        raise ValueError(f"teachers: one list per prompt ({len(prompts)}), got {len(teachers)}")
+    results, reference = [], None
     for name, spec in paths.items():
         with int8_path(spec.get("int8")):
             llm = LLM(spec.get("model", model), quantization=spec.get("quantization"), **{**llm_kwargs, **spec.get("llm", {})})

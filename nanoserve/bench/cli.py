@@ -14,6 +14,7 @@ from nanoserve.bench.peers.hf import HF_PATHS
 from nanoserve.bench.peers.llamacpp_setup import QUANTIZATIONS as LLAMACPP_QUANTIZATIONS
 from nanoserve.bench.peers.vllm import default_vllm_python
 from nanoserve.bench.report import finish_report
+from nanoserve.bench.trained_checkpoint import TRAIN_STEPS
 from nanoserve.bench.workloads import PEER_WORKLOADS, PRESETS, WorkloadSpec, make_requests
 from nanoserve.config import DTYPES
 
@@ -109,6 +110,9 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                         "and on a copy with outlier activation channels")
     o.add_argument("--accuracy-prompts", type=int, default=8, help="--accuracy: prompts (the workload's first)")
     o.add_argument("--accuracy-tokens", type=int, default=32, help="--accuracy: teacher-forced positions per prompt")
+    o.add_argument("--accuracy-trained-steps", type=int, default=TRAIN_STEPS,
+                   help="--accuracy: training steps of the trained checkpoint it also measures (built once and cached: "
+                        "~6 min on 2 cores at the default); 0 skips it")
     return p
 
 
@@ -122,6 +126,8 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
                  "block_size", "num_kvcache_blocks", "hf_batch_size", "accuracy_prompts", "accuracy_tokens"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.accuracy_trained_steps < 0:
+        p.error(f"--accuracy-trained-steps must be >= 0 (0 skips the trained checkpoint), got {args.accuracy_trained_steps}")
     for name in ("input_len", "output_len", "long_len"):
         rng = getattr(args, name, None)
         if rng is not None and not 1 <= rng[0] <= rng[1]:

@@ -26,6 +26,7 @@ from nanoserve.bench.report import compare, fmt_ms, print_roofline, print_run, p
 from nanoserve.bench.results import RunResult, summarize
 from nanoserve.bench.roofline import Roofline, measure_roofline
 from nanoserve.bench.structured import bench_json
+from nanoserve.bench.trained_checkpoint import ensure_trained_checkpoint, heldout_windows
 from nanoserve.bench.workloads import Request, one_block_hit_pair
 
 
@@ -245,22 +246,30 @@ def mcq_vs_vllm(args: argparse.Namespace, requests: list[Request], settings, our
 
 def bench_accuracy(args: argparse.Namespace, requests: list[Request], report: dict) -> None:
     """The int8 accuracy gate (bench/accuracy.py) on the workload's first prompts, on the checkpoint
-    and on a copy of it with outlier activation channels."""
+    and on a copy of it with outlier activation channels (teachers: the bf16 model's greedy tokens),
+    then on the trained checkpoint (bench/trained_checkpoint.py; teachers: held-out text)."""
     prompts = [r.prompt[:64] for r in requests[: args.accuracy_prompts]]
     with tempfile.TemporaryDirectory(prefix="nanoserve-outliers-") as outliers:
         realistic_checkpoint(args.model, outliers, args.seed)
-        _accuracy_gate(args, prompts, {"checkpoint": args.model, "with outlier channels": outliers}, report)
+        gates = [("checkpoint", args.model, prompts, None), ("with outlier channels", outliers, prompts, None)]
+        if args.accuracy_trained_steps:
+            print(f"building/using the trained checkpoint ({args.accuracy_trained_steps} steps; "
+                  "minutes on a CPU, once) ...", flush=True)
+            trained = ensure_trained_checkpoint(args.accuracy_trained_steps)
+            gates.append(("trained, with outlier channels, held-out text", trained,
+                          *heldout_windows(trained, args.accuracy_prompts, 64, args.accuracy_tokens)))
+        _accuracy_gate(args, gates, report)
 
 
-def _accuracy_gate(args: argparse.Namespace, prompts: list[list[int]], models: dict[str, str], report: dict) -> None:
+def _accuracy_gate(args: argparse.Namespace, gates: list[tuple], report: dict) -> None:
+    """gates: (name, checkpoint, prompts, teachers or None for the bf16 model's greedy tokens)."""
     paths = {**int8_paths(), "float32 (floor)": {"llm": {"dtype": "float32"}}}
-    max_model_len = max(len(p) for p in prompts) + args.accuracy_tokens
     report["accuracy"] = {}
-    for name, model in models.items():
+    for name, model, prompts, teachers in gates:
         print(f"\naccuracy against bf16, {name} ({model}), {len(prompts)} prompts x {args.accuracy_tokens} "
               "teacher-forced positions:", flush=True)
-        results, _ = measure_accuracy(model, prompts, args.accuracy_tokens, paths, device="cpu", dtype="bfloat16",
-                                      max_model_len=max_model_len)
+        results, _ = measure_accuracy(model, prompts, args.accuracy_tokens, paths, teachers, device="cpu",
+                                      dtype="bfloat16", max_model_len=max(len(p) for p in prompts) + args.accuracy_tokens)
         for r in results:
             print("  " + r.line(), flush=True)
         report["accuracy"][name] = [vars(r) for r in results]
