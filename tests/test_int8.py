@@ -204,8 +204,17 @@ def test_accuracy_gate_on_a_checkpoint_with_outlier_channels(tiny_model, tmp_pat
 TRAINED = {"steps": 400, "hidden_size": 128, "num_hidden_layers": 2, "intermediate_size": 384, "head_dim": 32}
 
 
+@pytest.fixture(scope="session")
+def trained_model(tmp_path_factory) -> str:
+    from nanoserve.bench.trained_checkpoint import ensure_trained_checkpoint
+
+    with pytest.MonkeyPatch.context() as mp:  # built into the test's own cache, not the user's
+        mp.setenv("NANOSERVE_CACHE", str(tmp_path_factory.mktemp("trained-cache")))
+        return ensure_trained_checkpoint(**TRAINED)
+
+
 @needs_kernel
-def test_accuracy_gate_on_a_trained_checkpoint_with_outlier_channels():
+def test_accuracy_gate_on_a_trained_checkpoint_with_outlier_channels(trained_model):
     """The gate on a model that predicts like a language model (trained on text, outlier channels
     from its first step), scored on held-out text: per-channel int8 weights cost about what bf16's
     own rounding costs, the 64-input activation scales of VNNI little more, per-token W8A8 pays
@@ -213,9 +222,9 @@ def test_accuracy_gate_on_a_trained_checkpoint_with_outlier_channels():
     from transformers import AutoModelForCausalLM
 
     from nanoserve.bench.accuracy import int8_paths, measure_accuracy
-    from nanoserve.bench.trained_checkpoint import ensure_trained_checkpoint, heldout_windows
+    from nanoserve.bench.trained_checkpoint import heldout_windows
 
-    model = ensure_trained_checkpoint(**TRAINED)
+    model = trained_model
     prompts, teachers = heldout_windows(model, 16, 48, 24)
     # it is trained: held-out text costs far less than the uniform ln(1000) = 6.9 nats a token,
     # and its outlier channels survived training
@@ -244,12 +253,16 @@ def test_trained_checkpoint_arguments_are_checked(tmp_path):
     from nanoserve.bench.accuracy import measure_accuracy
     from nanoserve.bench.trained_checkpoint import HELDOUT_FILE, ensure_trained_checkpoint, heldout_windows
 
-    with pytest.raises(ValueError, match="steps must be an int >= 1"):
-        ensure_trained_checkpoint(0)
+    for steps in (0, True, 2.0):
+        with pytest.raises(ValueError, match="steps must be an int >= 1"):
+            ensure_trained_checkpoint(steps)
     (tmp_path / HELDOUT_FILE).write_text("[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]")
     assert heldout_windows(str(tmp_path), 2, 3, 2) == ([[1, 2, 3], [6, 7, 8]], [[4, 5], [9, 10]])
     with pytest.raises(ValueError, match="3 windows of 5 tokens do not fit in the 10 held-out tokens"):
         heldout_windows(str(tmp_path), 3, 3, 2)
+    for args, field in (((0, 3, 2), "num"), ((2, 0, 2), "prompt_len"), ((2, 3, 0), "teacher_len")):
+        with pytest.raises(ValueError, match=f"{field} must be an int >= 1"):
+            heldout_windows(str(tmp_path), *args)
     with pytest.raises(ValueError, match=r"teachers: one list per prompt \(2\), got 1"):
         measure_accuracy(str(tmp_path), [[1], [2]], 4, {"bf16": {}}, [[3]])
 
@@ -276,8 +289,10 @@ def test_bench_reports_instruction_peaks_and_int8_paths(tiny_model):
 
 
 @needs_kernel
-def test_bench_accuracy_reports_every_path_on_both_checkpoints(tiny_model):
+def test_bench_accuracy_reports_every_path_on_every_checkpoint(tiny_model, tmp_path, monkeypatch):
     from nanoserve.bench.cli import main
+
+    monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path))  # its trained checkpoint (2 steps) stays here
 
     report = main(["--model", tiny_model, "--num-seqs", "2", "--input-len", "5", "9", "--accuracy",
                    "--accuracy-tokens", "4", "--accuracy-prompts", "2", "--accuracy-trained-steps", "2"])

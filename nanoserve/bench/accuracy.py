@@ -1,6 +1,7 @@
 """The accuracy gate of the int8 paths: each against the bf16 model on teacher-forced positions.
 
-Teacher forcing: the bf16 model generates greedily from each prompt; every path is then asked
+Teacher forcing: the bf16 model generates greedily from each prompt (or the teachers are given:
+held-out text, for the trained checkpoint of bench/trained_checkpoint.py); every path is then asked
 for the next token after prompt + teacher[:j] for each j, with top-k logprobs (prefix caching
 makes each of those a one-block prefill). Per path: the mean |logprob difference| of the
 teacher's tokens and the top-1 agreement with the bf16 model.

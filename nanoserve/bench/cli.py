@@ -106,8 +106,9 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     o.add_argument("--json", metavar="PATH", help="write every figure to PATH")
     o.add_argument("--accuracy", action="store_true",
                    help="instead of timing: the int8 accuracy gate against the bf16 model (teacher-forced top-1 "
-                        "agreement and mean |logprob diff| per path, float32 as the noise floor), on the checkpoint "
-                        "and on a copy with outlier activation channels")
+                        "agreement and mean |logprob diff| per path, float32 as the noise floor), on the checkpoint, "
+                        "on a copy with outlier activation channels and on a small trained checkpoint "
+                        "(--accuracy-trained-steps)")
     o.add_argument("--accuracy-prompts", type=int, default=8, help="--accuracy: prompts (the workload's first)")
     o.add_argument("--accuracy-tokens", type=int, default=32, help="--accuracy: teacher-forced positions per prompt")
     o.add_argument("--accuracy-trained-steps", type=int, default=TRAIN_STEPS,

@@ -13,6 +13,7 @@ import argparse
 import gc
 import tempfile
 import time
+from typing import NamedTuple
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.bench.accuracy import int8_paths, measure_accuracy, realistic_checkpoint
@@ -244,35 +245,47 @@ def mcq_vs_vllm(args: argparse.Namespace, requests: list[Request], settings, our
           f"nanoserve {report['speedup_vs_vllm']:.2f}x faster (median of {len(runs)})")
 
 
+ACCURACY_PROMPT_TOKENS = 64  # each gate prompt's length (a workload prompt's first tokens, a held-out window's)
+
+
+class AccuracyGate(NamedTuple):
+    name: str
+    model: str
+    prompts: list[list[int]]
+    teachers: list[list[int]] | None  # None: the bf16 model's greedy tokens
+
+
 def bench_accuracy(args: argparse.Namespace, requests: list[Request], report: dict) -> None:
     """The int8 accuracy gate (bench/accuracy.py) on the workload's first prompts, on the checkpoint
     and on a copy of it with outlier activation channels (teachers: the bf16 model's greedy tokens),
-    then on the trained checkpoint (bench/trained_checkpoint.py; teachers: held-out text)."""
-    prompts = [r.prompt[:64] for r in requests[: args.accuracy_prompts]]
+    then on the trained checkpoint (bench/trained_checkpoint.py; teachers: held-out text; trained
+    once with its own fixed seed, so every run scores the same model)."""
+    prompts = [r.prompt[:ACCURACY_PROMPT_TOKENS] for r in requests[: args.accuracy_prompts]]
     with tempfile.TemporaryDirectory(prefix="nanoserve-outliers-") as outliers:
         realistic_checkpoint(args.model, outliers, args.seed)
-        gates = [("checkpoint", args.model, prompts, None), ("with outlier channels", outliers, prompts, None)]
+        gates = [AccuracyGate("checkpoint", args.model, prompts, None),
+                 AccuracyGate("with outlier channels", outliers, prompts, None)]
         if args.accuracy_trained_steps:
             print(f"building/using the trained checkpoint ({args.accuracy_trained_steps} steps; "
                   "minutes on a CPU, once) ...", flush=True)
             trained = ensure_trained_checkpoint(args.accuracy_trained_steps)
-            gates.append(("trained, with outlier channels, held-out text", trained,
-                          *heldout_windows(trained, args.accuracy_prompts, 64, args.accuracy_tokens)))
+            windows = heldout_windows(trained, args.accuracy_prompts, ACCURACY_PROMPT_TOKENS, args.accuracy_tokens)
+            gates.append(AccuracyGate("trained, with outlier channels, held-out text", trained, *windows))
         _accuracy_gate(args, gates, report)
 
 
-def _accuracy_gate(args: argparse.Namespace, gates: list[tuple], report: dict) -> None:
-    """gates: (name, checkpoint, prompts, teachers or None for the bf16 model's greedy tokens)."""
+def _accuracy_gate(args: argparse.Namespace, gates: list[AccuracyGate], report: dict) -> None:
     paths = {**int8_paths(), "float32 (floor)": {"llm": {"dtype": "float32"}}}
     report["accuracy"] = {}
-    for name, model, prompts, teachers in gates:
-        print(f"\naccuracy against bf16, {name} ({model}), {len(prompts)} prompts x {args.accuracy_tokens} "
-              "teacher-forced positions:", flush=True)
-        results, _ = measure_accuracy(model, prompts, args.accuracy_tokens, paths, teachers, device="cpu",
-                                      dtype="bfloat16", max_model_len=max(len(p) for p in prompts) + args.accuracy_tokens)
+    for gate in gates:
+        print(f"\naccuracy against bf16, {gate.name} ({gate.model}), {len(gate.prompts)} prompts x "
+              f"{args.accuracy_tokens} teacher-forced positions:", flush=True)
+        max_model_len = max(len(p) for p in gate.prompts) + args.accuracy_tokens
+        results, _ = measure_accuracy(gate.model, gate.prompts, args.accuracy_tokens, paths, gate.teachers,
+                                      device="cpu", dtype="bfloat16", max_model_len=max_model_len)
         for r in results:
             print("  " + r.line(), flush=True)
-        report["accuracy"][name] = [vars(r) for r in results]
+        report["accuracy"][gate.name] = [vars(r) for r in results]
 
 
 WORKLOADS = {"random": bench_throughput, "long-prompt": bench_throughput, "shared-prefix": bench_shared_prefix,
