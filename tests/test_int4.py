@@ -103,7 +103,7 @@ def test_w4a8_kernel_matches_reference(rows, n, k, group):
 
 
 @needs_kernel
-@pytest.mark.parametrize("scale_blocks", [1, 2, 3])  # 1: W4A8's; 2: the int8 VNNI kernel's; 3: a partial last run
+@pytest.mark.parametrize("scale_blocks", [1, 2, 3, 4])  # 1: W4A8's; 4: the int8 VNNI kernel's; 3: a partial last run
 @pytest.mark.parametrize("rows, k, heavy", [(1, 64, False), (7, 97, False), (300, 1024, False), (3, 3, False),
                                            (5, 3072, True)])
 def test_w4a8_activation_quantization_equals_reference_exactly(rows, k, heavy, scale_blocks):

@@ -11,7 +11,7 @@ GEMMs (nanoserve/kernels/cpu_gemm.py), chosen once at startup:
   native       F.linear in the model's dtype (fp16 models on CPUs with fp16 math)
   int8         `quantization="int8"`, any model dtype: weights quantized per output channel at load
                (LM head included), the kernels of cpu_int8.c: on CPUs with AVX512-VNNI in a bf16/fp16
-               model, vpdpbusd with activations quantized with a scale per 64 inputs (outliers,
+               model, vpdpbusd with activations quantized with a scale per 128 inputs (outliers,
                found per block of 32, exact);
                elsewhere W8A16 (int8 weights widened to float32 in registers, float32 math); W8A8
                (activations quantized per token, int16 multiply-adds) on request, see w8a8_min_rows.
@@ -205,7 +205,7 @@ class CPUBackend(Backend):
         self.w8a8_min_rows = w8a8_min_rows(self.options.int8)
         # Where the CPU has AVX512-VNNI, int8 weights run its kernel by default in a bf16/fp16 model
         # (vpdpbusd does four times the float32 FMA's multiply-adds there; activations quantized with a
-        # scale per 64 inputs and the outliers exact, within the bf16 activations' own error: README,
+        # scale per 128 inputs and the outliers exact, within the bf16 activations' own error: README,
         # int8 weights). A float32 model asked for exact activations: auto keeps W8A16 there, as W4A16
         # for int4.
         wants_vnni = self.options.int8 == "vnni" or (self.options.int8 == "auto" and dtype != torch.float32)
@@ -243,7 +243,7 @@ class CPUBackend(Backend):
 
     def _int8_path_name(self) -> str:
         if self.int8_vnni:
-            return "int8 W8A8 VNNI (activations scaled per 64 inputs, outliers exact)"
+            return "int8 W8A8 VNNI (activations scaled per 128 inputs, outliers exact)"
         return ("int8 W8A16" if self.w8a8_min_rows is None else "int8 W8A8" if self.w8a8_min_rows <= 1
                 else f"int8 W8A16 below {self.w8a8_min_rows} rows, W8A8 from there")
 

@@ -569,22 +569,25 @@ static inline float float_below(double limit) {
 #define MAX_PS(a, b) _mm512_max_ps(a, b)
 #define ADD_EPI32(a, b) _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)))
 
-/* block_outliers for the 16 whole blocks at x (inputs k0 ..): below[j] and amax[j] of each */
+/* block_outliers for the 16 whole blocks at x (inputs k0 ..): below[j] and amax[j] of each. A block
+   whose largest |x| is under its threshold (most blocks: an outlier channel sits in a few) has no
+   outliers, and that largest |x| is its amax; only the others are searched value by value. */
 static inline void blocks16_outliers_zmm(const float *x, int64_t k0, double outlier, int32_t *ok, float *ov,
                                          int *n_out, float *below, float *amax) {
-    __m512d d[16];
-    for (int j = 0; j < 16; j++) {
-        const __m512 v0 = _mm512_abs_ps(_mm512_loadu_ps(x + 32 * j)), v1 = _mm512_abs_ps(_mm512_loadu_ps(x + 32 * j + 16));
-        d[j] = _mm512_add_pd(_mm512_add_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(v0)),
-                                           _mm512_cvtps_pd(_mm512_extractf32x8_ps(v0, 1))),
-                             _mm512_add_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(v1)),
-                                           _mm512_cvtps_pd(_mm512_extractf32x8_ps(v1, 1))));
-    }
+    __m512 m[16];
     for (int h = 0; h < 2; h++) {  /* blocks 8h .. 8h+7: their double sums, lane j the block's */
-        __m512d t[4], u[2];
+        __m512d d[8], t[4], u[2];
+        for (int j = 0; j < 8; j++) {
+            const float *xb = x + 32 * (8 * h + j);
+            const __m512 v0 = _mm512_abs_ps(_mm512_loadu_ps(xb)), v1 = _mm512_abs_ps(_mm512_loadu_ps(xb + 16));
+            m[8 * h + j] = _mm512_max_ps(v0, v1);
+            d[j] = _mm512_add_pd(_mm512_add_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(v0)),
+                                               _mm512_cvtps_pd(_mm512_extractf32x8_ps(v0, 1))),
+                                 _mm512_add_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(v1)),
+                                               _mm512_cvtps_pd(_mm512_extractf32x8_ps(v1, 1))));
+        }
         for (int i = 0; i < 4; i++)
-            t[i] = _mm512_add_pd(_mm512_unpacklo_pd(d[8 * h + 2 * i], d[8 * h + 2 * i + 1]),
-                                 _mm512_unpackhi_pd(d[8 * h + 2 * i], d[8 * h + 2 * i + 1]));
+            t[i] = _mm512_add_pd(_mm512_unpacklo_pd(d[2 * i], d[2 * i + 1]), _mm512_unpackhi_pd(d[2 * i], d[2 * i + 1]));
         for (int i = 0; i < 2; i++)
             u[i] = _mm512_add_pd(_mm512_shuffle_f64x2(t[2 * i], t[2 * i + 1], 0x88),
                                  _mm512_shuffle_f64x2(t[2 * i], t[2 * i + 1], 0xDD));
@@ -597,8 +600,12 @@ static inline void blocks16_outliers_zmm(const float *x, int64_t k0, double outl
         f = _mm256_castsi256_ps(_mm256_mask_sub_epi32(_mm256_castps_si256(f), up, _mm256_castps_si256(f), _mm256_set1_epi32(1)));
         _mm256_storeu_ps(below + 8 * h, f);
     }
-    __m512 m[16];
-    for (int j = 0; j < 16; j++) {
+    __m512 top;
+    TRANSPOSE_REDUCE16(MAX_PS, m, top);
+    _mm512_storeu_ps(amax, top);
+    const __mmask16 searched = _mm512_cmp_ps_mask(top, _mm512_loadu_ps(below), _CMP_GT_OQ);
+    for (uint32_t blocks = searched; blocks; blocks &= blocks - 1) {  /* ascending: outliers in input order */
+        const int j = __builtin_ctz(blocks);
         const __m512 t = _mm512_set1_ps(below[j]);
         const __m512 v0 = _mm512_abs_ps(_mm512_loadu_ps(x + 32 * j)), v1 = _mm512_abs_ps(_mm512_loadu_ps(x + 32 * j + 16));
         const __mmask16 o0 = _mm512_cmp_ps_mask(v0, t, _CMP_GT_OQ), o1 = _mm512_cmp_ps_mask(v1, t, _CMP_GT_OQ);
@@ -606,28 +613,34 @@ static inline void blocks16_outliers_zmm(const float *x, int64_t k0, double outl
             const int i = __builtin_ctz(bits);
             ok[*n_out] = (int32_t)(k0 + 32 * j + i), ov[*n_out] = x[32 * j + i], (*n_out)++;
         }
-        m[j] = _mm512_max_ps(_mm512_maskz_mov_ps((__mmask16)~o0, v0), _mm512_maskz_mov_ps((__mmask16)~o1, v1));
+        amax[j] = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_maskz_mov_ps((__mmask16)~o0, v0),
+                                                     _mm512_maskz_mov_ps((__mmask16)~o1, v1)));
     }
-    __m512 out;
-    TRANSPOSE_REDUCE16(MAX_PS, m, out);
-    _mm512_storeu_ps(amax, out);
 }
 
 /* quantize_block for 16 whole blocks at x: block j's 32 bytes at q + j * q_stride, with its threshold
    below[j] and 127 / amax inv[j]; the sum of each block's values into sums[j] */
 static inline void blocks16_quantize_zmm(const float *x, const float *below, const float *inv, int8_t *q,
                                          int64_t q_stride, int32_t *sums) {
+    /* two blocks' int32 values narrowed by two packs (each 128-bit lane's dwords: block j's first
+       half, its second, block j+1's first, its second) and one permute: vpmovsdb, one instruction
+       per 16 values, took ~40% of this function's time (Zen 5) */
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     __m512 v[16];
-    for (int j = 0; j < 16; j++) {
-        const __m512 t = _mm512_set1_ps(below[j]), scale = _mm512_set1_ps(inv[j]);
-        const __m512 x0 = _mm512_loadu_ps(x + 32 * j), x1 = _mm512_loadu_ps(x + 32 * j + 16);
-        const __mmask16 k0 = _mm512_cmp_ps_mask(_mm512_abs_ps(x0), t, _CMP_LE_OQ);
-        const __mmask16 k1 = _mm512_cmp_ps_mask(_mm512_abs_ps(x1), t, _CMP_LE_OQ);
-        const __m512i q0 = _mm512_cvtps_epi32(_mm512_maskz_mul_ps(k0, x0, scale));
-        const __m512i q1 = _mm512_cvtps_epi32(_mm512_maskz_mul_ps(k1, x1, scale));
-        _mm_storeu_si128((__m128i *)(q + j * q_stride), _mm512_cvtsepi32_epi8(q0));
-        _mm_storeu_si128((__m128i *)(q + j * q_stride + 16), _mm512_cvtsepi32_epi8(q1));
-        v[j] = _mm512_castsi512_ps(_mm512_add_epi32(q0, q1));
+    for (int j = 0; j < 16; j += 2) {
+        __m512i qi[4];
+        for (int h = 0; h < 4; h++) {  /* block j + h / 2, inputs 16 * (h % 2) .. */
+            const int i = j + h / 2;
+            const __m512 xv = _mm512_loadu_ps(x + 32 * i + 16 * (h % 2));
+            const __mmask16 kept = _mm512_cmp_ps_mask(_mm512_abs_ps(xv), _mm512_set1_ps(below[i]), _CMP_LE_OQ);
+            qi[h] = _mm512_cvtps_epi32(_mm512_maskz_mul_ps(kept, xv, _mm512_set1_ps(inv[i])));
+        }
+        const __m512i bytes = _mm512_permutexvar_epi32(
+            order, _mm512_packs_epi16(_mm512_packs_epi32(qi[0], qi[1]), _mm512_packs_epi32(qi[2], qi[3])));
+        _mm256_storeu_si256((__m256i *)(q + j * q_stride), _mm512_castsi512_si256(bytes));
+        _mm256_storeu_si256((__m256i *)(q + (j + 1) * q_stride), _mm512_extracti64x4_epi64(bytes, 1));
+        v[j] = _mm512_castsi512_ps(_mm512_add_epi32(qi[0], qi[1]));
+        v[j + 1] = _mm512_castsi512_ps(_mm512_add_epi32(qi[2], qi[3]));
     }
     __m512 out;
     TRANSPOSE_REDUCE16(ADD_EPI32, v, out);
@@ -747,7 +760,20 @@ static void quantize_row_int8(const float *xr, int64_t K, int64_t B, int64_t G, 
     /* each run of blocks takes its largest amax (no division or modulo per block: an integer
        division a block was most of the quantizer's time) */
     float scale[B];
-    for (int64_t b0 = 0; b0 < B; b0 += scale_blocks) {
+    int64_t b0 = 0;
+#if QUANTIZE_ZMM
+    if (scale_blocks == 1 || scale_blocks == 2 || scale_blocks == 4)  /* sixteen blocks a pass: each lane its
+                                                                         run's largest amax, then both divisions */
+        for (; b0 + 16 <= B; b0 += 16) {
+            __m512 a = _mm512_loadu_ps(amax + b0);
+            if (scale_blocks >= 2) a = _mm512_max_ps(a, _mm512_permute_ps(a, 0xB1));  /* lanes 2i, 2i+1 */
+            if (scale_blocks == 4) a = _mm512_max_ps(a, _mm512_permute_ps(a, 0x4E));  /* and 4i .. 4i+3 */
+            _mm512_storeu_ps(inv + b0, _mm512_maskz_div_ps(_mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                                           _mm512_set1_ps(127.0f), a));
+            _mm512_storeu_ps(scale + b0, _mm512_div_ps(a, _mm512_set1_ps(127.0f)));
+        }
+#endif
+    for (; b0 < B; b0 += scale_blocks) {
         const int64_t b1 = b0 + scale_blocks < B ? b0 + scale_blocks : B;
         float a = amax[b0];
         for (int64_t b = b0 + 1; b < b1; b++) a = a > amax[b] ? a : amax[b];
@@ -766,13 +792,19 @@ static void quantize_row_int8(const float *xr, int64_t K, int64_t B, int64_t G, 
     for (int64_t g = 0; g < G; g++) xg[g] = 0.0f;
     if (group >= K || group % W4_BLOCK == 0) {  /* groups of whole blocks (W4A8, VNNI), or one group */
         const int64_t per_group = group >= K ? B : group / W4_BLOCK;
-        /* each group's sum in a register, in the same order and fused as before (fmaf, not left to
-           the compiler): through memory, the store-to-load chain from one block to the next held
-           the whole quantizer to it */
+        /* each group's sum in registers, four chains (fmaf, not left to the compiler): through memory,
+           the store-to-load chain from one block to the next held the whole quantizer to it, and one
+           chain of a row's blocks was still its longest wait */
         for (int64_t b0 = 0, g = 0; b0 < B; b0 += per_group, g++) {
-            float sum = 0.0f;
-            for (int64_t b = b0; b < b0 + per_group && b < B; b++) sum = fmaf(scale[b], (float)sums[b], sum);
-            xg[g] = sum;
+            const int64_t b1 = b0 + per_group < B ? b0 + per_group : B;
+            float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+            int64_t b = b0;
+            for (; b + 4 <= b1; b += 4) {
+                s0 = fmaf(scale[b], (float)sums[b], s0), s1 = fmaf(scale[b + 1], (float)sums[b + 1], s1);
+                s2 = fmaf(scale[b + 2], (float)sums[b + 2], s2), s3 = fmaf(scale[b + 3], (float)sums[b + 3], s3);
+            }
+            for (; b < b1; b++) s0 = fmaf(scale[b], (float)sums[b], s0);
+            xg[g] = (s0 + s1) + (s2 + s3);
         }
     } else {
         for (int64_t b = 0; b < B; b++) xg[b * W4_BLOCK / group] = fmaf(scale[b], (float)sums[b], xg[b * W4_BLOCK / group]);
@@ -1367,13 +1399,25 @@ int vnni_supported(void) { return VNNI; }
 static int w4a8_vnni = VNNI;
 void set_w4a8_vnni(int on) { w4a8_vnni = on && VNNI; }
 
-/* int8 weights: one activation scale per VNNI_SCALE_BLOCKS blocks of 32 inputs (a run, summed in int32 before one float
-   rescale). The rescale at the end of every block (its sums' last vpdpbusd waited on first) held the
-   16-row tile at ~56% of vpdpbusd's peak at 256 rows, two blocks ~63%, the whole row ~70%; measured
-   on the outlier checkpoint of bench.py --accuracy (24 prompts x 32 positions), a scale per 64
-   inputs kept the accuracy of one per 32 (mean |logprob diff| vs bf16 0.96 vs 1.00, W8A16 0.87),
-   per 128 did not (1.19), nor one per row (1.43). */
-#define VNNI_SCALE_BLOCKS 2
+/* int8 weights: one activation scale per VNNI_SCALE_BLOCKS blocks of 32 inputs (a run, summed in
+   int32 before one float rescale). Each rescale is a conversion and an FMA per accumulator, on the
+   pipes vpdpbusd needs: a run of 2 blocks held the tile ~10% below one scale per row, 4 blocks ~5%
+   (64 / 256-row GEMMs 1.03-1.05x faster than 2 blocks, Zen 5). Accuracy against bf16, teacher-forced
+   (48 x 32 positions), runs of 1 / 2 / 4 blocks: trained checkpoint 95.51 / 95.44 / 95.57% top-1,
+   mean |logprob diff| 0.0485 / 0.0512 / 0.0535 (W8A16 96.22%, 0.0404); the outlier copy of
+   tiny-qwen3 95.12 / 95.31 / 95.44%, 0.0586 / 0.0627 / 0.0623; of the random Qwen3-0.6B (24 x 32)
+   73.96 / 73.05 / 72.53%, 1.23 / 1.31 / 1.27: within the runs' own noise. (An earlier 4x outlier
+   threshold made runs of 4 visibly worse.) */
+#define VNNI_SCALE_BLOCKS 4
+
+/* Blocks per activation scale for int8 weights with groups of `group` inputs: VNNI_SCALE_BLOCKS, halved
+   until a run never spans two groups (cpu_int8.py's vnni_scale_blocks mirrors it; a test compares). */
+int vnni_scale_blocks(int64_t group, int64_t K) {
+    const int64_t per_group = group >= K ? 0 : group / W4_BLOCK;  /* 0: one group spans K */
+    int64_t run = VNNI_SCALE_BLOCKS;
+    while (per_group && per_group % run) run /= 2;
+    return (int)run;
+}
 
 /* y[M, N] = x[M, K] . ((u - z) * s)^T (+ bias) with `bits`-bit weights u in VNNI panels (4: the W4A8
    layout; 8: [ceil(N / 16)][Kp / 4][16][4] bytes). 4 bits: x quantized per block of 32 inputs, as
@@ -1394,8 +1438,7 @@ static int vnni_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const int8
     int8_t *xt = malloc((size_t)(Mt * Kp));
     float *xst = malloc((size_t)(Mt * B) * sizeof(float));
     /* a run never spans two weight groups; 4 bits: the AVX2 W4A8 tile's scales (the same bits) */
-    const int64_t per_group = G == 1 ? B : group / W4_BLOCK;
-    const int64_t run = bits == 8 && (G == 1 || per_group % VNNI_SCALE_BLOCKS == 0) ? VNNI_SCALE_BLOCKS : 1;
+    const int64_t run = bits == 8 ? vnni_scale_blocks(group, K) : 1;
     int rc = 2;
     if (xg == NULL || ov == NULL || on == NULL || ok == NULL || xt == NULL || xst == NULL ||
         quantize_tiles_int8(x, x_bf16, M, K, Kp, group, W4_OUTLIER, run, xt, xst, xg, on, ok, ov, num_threads))

@@ -335,14 +335,18 @@ def vnni_supported(group_size: int, in_features: int, lib: ctypes.CDLL) -> bool:
     return bool(lib.vnni_supported()) and w4a8_supported(group_size, in_features)
 
 
-VNNI_SCALE_BLOCKS = 2  # int8 weights: one activation scale per 2 blocks of 32 inputs (cpu_int8.c says why)
+VNNI_SCALE_BLOCKS = 4  # int8 weights: one activation scale per 4 blocks of 32 inputs (cpu_int8.c says why)
 
 
 def vnni_scale_blocks(group: int, in_features: int) -> int:
-    """Blocks per activation scale of the int8 VNNI kernel: VNNI_SCALE_BLOCKS where no scale run would
-    span two weight groups, else one (as cpu_int8.c's vnni_gemm decides)."""
-    per_group = group // W4A8_BLOCK
-    return VNNI_SCALE_BLOCKS if group >= in_features or per_group % VNNI_SCALE_BLOCKS == 0 else 1
+    """Blocks per activation scale of the int8 VNNI kernel: VNNI_SCALE_BLOCKS, halved until no scale run
+    spans two weight groups (cpu_int8.c's vnni_scale_blocks, which the kernel calls)."""
+    if group >= in_features:
+        return VNNI_SCALE_BLOCKS
+    run = VNNI_SCALE_BLOCKS
+    while (group // W4A8_BLOCK) % run:
+        run //= 2
+    return run
 
 
 def int8_gemm_vnni_torch(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group_size: int | None = None,
