@@ -9,8 +9,9 @@ import torch
 
 from nanoserve.kernels import cpu_kernels
 from nanoserve.kernels.cpu_int8 import (
-    PANEL, W4A8_BLOCK, W4A8_MAX_OUTLIERS, Int4Kernels, Int8Kernels, fits_int4, int4_gemm_w4a8_torch,
-    int4_gemm_w4a16_torch, pack_int4, quantize_blocks_int8_torch, quantize_weight_int8, split_int4,
+    PANEL, VNNI_SCALE_BLOCKS, W4A8_BLOCK, W4A8_MAX_OUTLIERS, Int4Kernels, Int8Kernels, fits_int4,
+    int4_gemm_w4a8_torch, int4_gemm_w4a16_torch, pack_int4, quantize_blocks_int8_torch, quantize_weight_int8,
+    split_int4, vnni_scale_blocks,
 )
 
 LIB = cpu_kernels.load()
@@ -104,8 +105,9 @@ def test_w4a8_kernel_matches_reference(rows, n, k, group):
 
 @needs_kernel
 @pytest.mark.parametrize("scale_blocks", [1, 2, 3, 4])  # 1: W4A8's; 4: the int8 VNNI kernel's; 3: a partial last run
+# k: whole sixteen-block chunks (1024, 3072) and a tail after them (1000: 32 blocks, the last partial; 1100: 35)
 @pytest.mark.parametrize("rows, k, heavy", [(1, 64, False), (7, 97, False), (300, 1024, False), (3, 3, False),
-                                           (5, 3072, True)])
+                                           (5, 3072, True), (3, 1000, False), (4, 1100, True)])
 def test_w4a8_activation_quantization_equals_reference_exactly(rows, k, heavy, scale_blocks):
     gen = torch.Generator().manual_seed(k)
     x = _with_outliers(torch.randn(rows, k, generator=gen) * 2, rows)
@@ -123,6 +125,27 @@ def test_w4a8_activation_quantization_equals_reference_exactly(rows, k, heavy, s
         cols = outlier[m].nonzero().flatten()
         assert torch.equal(inputs[m, : count[m]].long(), cols) and torch.equal(values[m, : count[m]], x[m, cols])
     assert int(count.max()) <= -(-k // W4A8_BLOCK) * W4A8_MAX_OUTLIERS
+
+
+@needs_kernel
+@pytest.mark.parametrize("scale_blocks", [2, 4])
+def test_a_run_of_blocks_keeps_one_scale_even_with_a_nan(scale_blocks):
+    x = torch.randn(2, 1024)
+    x[0, 31] = float("nan")  # the first run's first block: its amax NaN, vmaxps's result order-dependent
+    xs = KERNELS.quantize_blocks(x, 1024, scale_blocks=scale_blocks)[1]
+    runs = xs.view(2, -1, scale_blocks)
+    assert torch.allclose(runs, runs[..., :1].expand_as(runs), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.skipif(LIB is None, reason="no C compiler")
+@pytest.mark.parametrize("group, k", [(1024, 1024), (4096, 1024), (3072, 3072), (32, 1024), (64, 1024), (96, 288),
+                                      (128, 1024), (256, 1000), (160, 320), (192, 1024)])
+def test_vnni_scale_runs_never_span_two_weight_groups_and_the_reference_agrees(group, k):
+    run = LIB.vnni_scale_blocks(group, k)
+    assert run == vnni_scale_blocks(group, k)  # the PyTorch reference quantizes as the VNNI kernel does
+    assert 1 <= run <= VNNI_SCALE_BLOCKS
+    if group < k:  # the longest run that divides the group
+        assert (group // 32) % run == 0 and (run == VNNI_SCALE_BLOCKS or (group // 32) % (2 * run))
 
 
 @needs_kernel

@@ -217,7 +217,7 @@ def trained_model(tmp_path_factory) -> str:
 def test_accuracy_gate_on_a_trained_checkpoint_with_outlier_channels(trained_model):
     """The gate on a model that predicts like a language model (trained on text, outlier channels
     from its first step), scored on held-out text: per-channel int8 weights cost about what bf16's
-    own rounding costs, the 64-input activation scales of VNNI little more, per-token W8A8 pays
+    own rounding costs, the 128-input activation scales of VNNI little more, per-token W8A8 pays
     for the outlier channels."""
     from transformers import AutoModelForCausalLM
 

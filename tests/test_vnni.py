@@ -9,8 +9,7 @@ import torch
 
 from nanoserve.kernels import cpu_kernels
 from nanoserve.kernels.cpu_int8 import (
-    PANEL, VNNI_SCALE_BLOCKS, VNNI_ZERO, Int4Kernels, Int8Kernels, int8_gemm_vnni_torch, pack_int4, pack_int8_vnni,
-    quantize_weight_int8, vnni_scale_blocks,
+    PANEL, VNNI_ZERO, Int4Kernels, Int8Kernels, int8_gemm_vnni_torch, pack_int4, pack_int8_vnni, quantize_weight_int8,
 )
 
 LIB = cpu_kernels.load()
@@ -53,16 +52,6 @@ def test_int8_vnni_kernel_matches_reference(rows, n, k, group):
     got = kernels.vnni(x.bfloat16(), packed, bias, torch.bfloat16)
     assert got.dtype == torch.bfloat16
     assert torch.equal(got, kernels.vnni(x.bfloat16().float(), packed, bias).bfloat16())
-
-
-@pytest.mark.parametrize("group, k", [(1024, 1024), (4096, 1024), (3072, 3072), (32, 1024), (64, 1024), (96, 288),
-                                      (128, 1024), (256, 1000), (160, 320)])
-def test_scale_runs_never_span_two_weight_groups_and_the_reference_agrees(group, k):
-    run = LIB.vnni_scale_blocks(group, k)
-    assert run == vnni_scale_blocks(group, k)  # the PyTorch reference quantizes as the kernel does
-    assert 1 <= run <= VNNI_SCALE_BLOCKS
-    if group < k:
-        assert (group // 32) % run == 0 and (run == VNNI_SCALE_BLOCKS or (group // 32) % (2 * run))
 
 
 def test_vnni_packing_holds_q_plus_128_in_vpdpbusd_order():

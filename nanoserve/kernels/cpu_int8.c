@@ -551,7 +551,8 @@ static inline float float_below(double limit) {
 /* block_outliers and quantize_block on sixteen whole blocks at a time (a row's last few run the AVX2
    versions): their sums, thresholds, maxima and quantized sums reduced together,
    lane j of one vector per block j (a transposing tree of shuffles), where a horizontal reduction
-   per block and figure (a chain of ~8 dependent operations each) made most of the quantizer's time. */
+   per block and figure (a chain of ~8 dependent operations each) made most of the quantizer's time
+   (only a block holding an outlier still takes one, for its amax). */
 /* 16 vectors v[j] -> one vector whose lane j is OP over v[j]'s 16 lanes (OP a float32 or int32 op) */
 #define TRANSPOSE_REDUCE16(OP, v, out)                                                                      \
     do {                                                                                                    \
@@ -570,7 +571,7 @@ static inline float float_below(double limit) {
 #define ADD_EPI32(a, b) _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)))
 
 /* block_outliers for the 16 whole blocks at x (inputs k0 ..): below[j] and amax[j] of each. A block
-   whose largest |x| is under its threshold (most blocks: an outlier channel sits in a few) has no
+   whose largest |x| is not above its threshold (most blocks: an outlier channel sits in a few) has no
    outliers, and that largest |x| is its amax; only the others are searched value by value. */
 static inline void blocks16_outliers_zmm(const float *x, int64_t k0, double outlier, int32_t *ok, float *ov,
                                          int *n_out, float *below, float *amax) {
@@ -622,9 +623,9 @@ static inline void blocks16_outliers_zmm(const float *x, int64_t k0, double outl
    below[j] and 127 / amax inv[j]; the sum of each block's values into sums[j] */
 static inline void blocks16_quantize_zmm(const float *x, const float *below, const float *inv, int8_t *q,
                                          int64_t q_stride, int32_t *sums) {
-    /* two blocks' int32 values narrowed by two packs (each 128-bit lane's dwords: block j's first
-       half, its second, block j+1's first, its second) and one permute: vpmovsdb, one instruction
-       per 16 values, took ~40% of this function's time (Zen 5) */
+    /* two blocks' int32 values narrowed by three packs (vpackssdw twice, vpacksswb; each 128-bit
+       lane's dwords then: block j's first half, its second, block j+1's first, its second) and one
+       vpermd: four vpmovsdb, as many instructions, took ~40% of this function's time (Zen 5) */
     const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     __m512 v[16];
     for (int j = 0; j < 16; j += 2) {
@@ -768,6 +769,10 @@ static void quantize_row_int8(const float *xr, int64_t K, int64_t B, int64_t G, 
             __m512 a = _mm512_loadu_ps(amax + b0);
             if (scale_blocks >= 2) a = _mm512_max_ps(a, _mm512_permute_ps(a, 0xB1));  /* lanes 2i, 2i+1 */
             if (scale_blocks == 4) a = _mm512_max_ps(a, _mm512_permute_ps(a, 0x4E));  /* and 4i .. 4i+3 */
+            /* every lane of a run its first one's: with a NaN amax vmaxps's result depends on the
+               order, and a run must keep one scale (the tiles read its last block's) */
+            if (scale_blocks == 2) a = _mm512_permute_ps(a, 0xA0);
+            if (scale_blocks == 4) a = _mm512_permute_ps(a, 0x00);
             _mm512_storeu_ps(inv + b0, _mm512_maskz_div_ps(_mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_GT_OQ),
                                                            _mm512_set1_ps(127.0f), a));
             _mm512_storeu_ps(scale + b0, _mm512_div_ps(a, _mm512_set1_ps(127.0f)));
