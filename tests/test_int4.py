@@ -9,9 +9,9 @@ import torch
 
 from nanoserve.kernels import cpu_kernels
 from nanoserve.kernels.cpu_int8 import (
-    PANEL, VNNI_SCALE_BLOCKS, W4A8_BLOCK, W4A8_MAX_OUTLIERS, Int4Kernels, Int8Kernels, fits_int4,
+    ACTIVATION_RUN_BLOCKS, PANEL, W4A8_BLOCK, W4A8_MAX_OUTLIERS, Int4Kernels, Int8Kernels, fits_int4,
     int4_gemm_w4a8_torch, int4_gemm_w4a16_torch, pack_int4, quantize_blocks_int8_torch, quantize_weight_int8,
-    split_int4, vnni_scale_blocks,
+    activation_run_blocks, split_int4,
 )
 
 LIB = cpu_kernels.load()
@@ -140,12 +140,12 @@ def test_a_run_of_blocks_keeps_one_scale_even_with_a_nan(scale_blocks):
 @pytest.mark.skipif(LIB is None, reason="no C compiler")
 @pytest.mark.parametrize("group, k", [(1024, 1024), (4096, 1024), (3072, 3072), (32, 1024), (64, 1024), (96, 288),
                                       (128, 1024), (256, 1000), (160, 320), (192, 1024)])
-def test_vnni_scale_runs_never_span_two_weight_groups_and_the_reference_agrees(group, k):
-    run = LIB.vnni_scale_blocks(group, k)
-    assert run == vnni_scale_blocks(group, k)  # the PyTorch reference quantizes as the VNNI kernel does
-    assert 1 <= run <= VNNI_SCALE_BLOCKS
+def test_activation_scale_runs_never_span_two_weight_groups_and_the_reference_agrees(group, k):
+    run = LIB.activation_run_blocks(group, k)
+    assert run == activation_run_blocks(group, k)  # the PyTorch references quantize as the kernels do
+    assert 1 <= run <= ACTIVATION_RUN_BLOCKS
     if group < k:  # the longest run that divides the group
-        assert (group // 32) % run == 0 and (run == VNNI_SCALE_BLOCKS or (group // 32) % (2 * run))
+        assert (group // 32) % run == 0 and (run == ACTIVATION_RUN_BLOCKS or (group // 32) % (2 * run))
 
 
 @needs_kernel

@@ -512,8 +512,8 @@ int int4_gemm_w4a16(const void *x, int64_t M, int64_t K, const int8_t *panels, c
 /* xg[m, g] = sum over the group's blocks of xs * (sum of xq): the zero points' term, per group.  */
 /* (pack_int4 in cpu_int8.py writes this layout.)                                                  */
 
-#define W4_BLOCK 32 /* inputs per quantization block (W4A8: per activation scale; the int8 VNNI kernel scales
-                       VNNI_SCALE_BLOCKS of them at once); groups are whole blocks (or one group spans K) */
+#define W4_BLOCK 32 /* inputs per quantization block (outliers are found per block; a run of them shares an
+                       activation scale: activation_run_blocks); groups are whole blocks (or one group spans K) */
 /* Bytes ahead of the panel read that each step prefetches, one cache line a step (the rate it
    reads them). At one row Zen 1's hardware prefetcher left the kernel at ~12 of 26 GB/s: ~8% faster. */
 #define W4_PREFETCH 1024
@@ -523,6 +523,28 @@ int int4_gemm_w4a16(const void *x, int64_t M, int64_t K, const int8_t *panels, c
    float32 sums took twice its multiply-adds; ~1% pass 8x, for the same teacher-forced accuracy. */
 #define W4_OUTLIER 8.0
 #define W4_MAX_OUTLIERS 8 /* per block: k outliers hold > k * 8 / 32 of the block's sum of |x|, so k < 4 (room to spare) */
+/* Activations take one scale per run of ACTIVATION_RUN_BLOCKS blocks (both W4A8 tiles and the VNNI
+   kernel for int8 weights): the tiles sum a run in int32 before one float32 rescale, a conversion and
+   an FMA per accumulator, on the pipes the integer multiply-adds need. For int8 weights on the VNNI
+   tile a run of 2 blocks held it ~10% below one scale per row, 4 blocks ~5% (64 / 256-row GEMMs
+   1.03-1.05x faster than 2 blocks, Zen 5); for int4 weights rescaling every block cost more still
+   (its int32 sums take 8 vpdpbusd a block, not 16: 4-block runs 1.17x at 16-256 rows). Accuracy
+   against bf16, teacher-forced (48 x 32 positions), int8 runs of 1 / 2 / 4 blocks: trained
+   checkpoint 95.51 / 95.44 / 95.57% top-1, mean |logprob diff| 0.0485 / 0.0512 / 0.0535 (W8A16
+   96.22%, 0.0404); the outlier copy of tiny-qwen3 95.12 / 95.31 / 95.44%, 0.0586 / 0.0627 / 0.0623;
+   of the random Qwen3-0.6B (24 x 32) 73.96 / 73.05 / 72.53%, 1.23 / 1.31 / 1.27. (With an earlier 4x
+   outlier threshold, 4-block runs had cost more.) */
+#define ACTIVATION_RUN_BLOCKS 4
+
+/* Blocks per activation scale for weights in groups of `group` inputs: ACTIVATION_RUN_BLOCKS, halved
+   until a run never spans two groups (cpu_int8.py's activation_run_blocks mirrors it; a test compares). */
+int activation_run_blocks(int64_t group, int64_t K) {
+    const int64_t per_group = group >= K ? 0 : group / W4_BLOCK;  /* 0: one group spans K */
+    int64_t run = ACTIVATION_RUN_BLOCKS;
+    while (per_group && per_group % run) run /= 2;
+    return (int)run;
+}
+
 #define W4_ROW_TILES(TILE, ...)                                                                  \
     do {                                                                                         \
         int64_t m0 = r0;                                                                         \
@@ -854,20 +876,24 @@ static inline void prefetch_group_scales(const float *scales, const float *offse
 static inline __attribute__((always_inline)) void w4a8_tile(const int mb, const int8_t *xq, const float *xs,
                                                              const float *xg, const int32_t *on, const int32_t *ok,
                                                              const float *ov, int64_t m0, int64_t Kp, int64_t G,
-                                                             const int8_t *panel_bytes_, const float *scales,
-                                                             const float *offsets, int64_t Np, int64_t group,
-                                                             int64_t n0, int64_t nn, int64_t N, const float *bias,
-                                                             float *y) {
+                                                             int64_t run, const int8_t *panel_bytes_,
+                                                             const float *scales, const float *offsets, int64_t Np,
+                                                             int64_t group, int64_t n0, int64_t nn, int64_t N,
+                                                             const float *bias, float *y) {
     const uint8_t *panel = (const uint8_t *)panel_bytes_;
     const int64_t B = Kp / W4_BLOCK;
     const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi32(0x0F);
     const int64_t E = B * W4_MAX_OUTLIERS;
-    /* float32 sums in memory, touched once per block: in registers they pushed the int16 ones out */
+    /* float32 sums in memory, touched once per run, and the run's int32 sums, once per block: in
+       registers they pushed the int16 ones out */
     float tile[6][I8_PANEL] = {{0}};
+    int32_t sums[W4_ROWS][I8_PANEL] __attribute__((aligned(32)));
     /* blocks per group: a division per block (idiv, ~40 cycles on Zen 1) cost as much as its math */
     const int64_t per_group = G == 1 ? B : group / W4_BLOCK;
     if (G > 1) prefetch_group_scales(scales, offsets, G, Np, n0);
-    for (int64_t b = 0, g = 0, left = per_group; b < B; b++) {
+    for (int64_t b0 = 0, g = 0, left = per_group; b0 < B; b0 += run) {
+        const int64_t b1 = b0 + run < B ? b0 + run : B;
+        for (int64_t b = b0; b < b1; b++) {
         __m256i a00 = _mm256_setzero_si256(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00,
                 a31 = a00;
         const uint8_t *w = panel + b * W4_BLOCK * (I8_PANEL / 2);
@@ -892,19 +918,32 @@ static inline __attribute__((always_inline)) void w4a8_tile(const int mb, const 
             W4_ROW(0, a00, a01, 4) W4_ROW(1, a10, a11, 4) W4_ROW(2, a20, a21, 4) W4_ROW(3, a30, a31, 4)
 #undef W4_ROW
         }
-        if (left == 0) g++, left = per_group;
-        left--;
-        const __m256 s0 = _mm256_loadu_ps(scales + g * Np + n0), s1 = _mm256_loadu_ps(scales + g * Np + n0 + 8);
-#define W4_FLUSH(r, lo, hi)                                                                                 \
+        /* the block's int16 sums widened into the run's int32 ones (exact, as the VNNI tile's) */
+#define W4_SUM(r, lo, hi)                                                                                   \
     if (mb > r) {                                                                                         \
-        const __m256 xsb = _mm256_set1_ps(xs[(m0 + r) * B + b]);                                          \
-        _mm256_storeu_ps(tile[r], _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(lo, ones)),        \
+        __m256i slo = _mm256_madd_epi16(lo, ones), shi = _mm256_madd_epi16(hi, ones);                     \
+        if (b > b0) {                                                                                     \
+            slo = _mm256_add_epi32(slo, _mm256_load_si256((const __m256i *)sums[r]));                     \
+            shi = _mm256_add_epi32(shi, _mm256_load_si256((const __m256i *)(sums[r] + 8)));               \
+        }                                                                                                 \
+        _mm256_store_si256((__m256i *)sums[r], slo), _mm256_store_si256((__m256i *)(sums[r] + 8), shi);   \
+    }
+        W4_SUM(0, a00, a01) W4_SUM(1, a10, a11) W4_SUM(2, a20, a21) W4_SUM(3, a30, a31)
+#undef W4_SUM
+        }
+        const __m256 s0 = _mm256_loadu_ps(scales + g * Np + n0), s1 = _mm256_loadu_ps(scales + g * Np + n0 + 8);
+#define W4_FLUSH(r)                                                                                         \
+    if (mb > r) {                                                                                         \
+        const __m256 xsb = _mm256_set1_ps(xs[(m0 + r) * B + b1 - 1]); /* the run's scale */              \
+        _mm256_storeu_ps(tile[r], _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_load_si256((const __m256i *)sums[r])), \
                                                   _mm256_mul_ps(s0, xsb), _mm256_loadu_ps(tile[r])));     \
-        _mm256_storeu_ps(tile[r] + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(hi, ones)),    \
+        _mm256_storeu_ps(tile[r] + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_load_si256((const __m256i *)(sums[r] + 8))), \
                                                       _mm256_mul_ps(s1, xsb), _mm256_loadu_ps(tile[r] + 8))); \
     }
-        W4_FLUSH(0, a00, a01) W4_FLUSH(1, a10, a11) W4_FLUSH(2, a20, a21) W4_FLUSH(3, a30, a31)
+        W4_FLUSH(0) W4_FLUSH(1) W4_FLUSH(2) W4_FLUSH(3)
 #undef W4_FLUSH
+        left -= b1 - b0;  /* runs never span two groups: the next run starts the next group here */
+        if (left == 0) g++, left = per_group;
     }
     for (int r = 0; r < mb; r++) {
         /* Per group: the outliers' v * q summed unscaled (q read from the panel), then s * that +
@@ -950,7 +989,7 @@ static inline __attribute__((always_inline)) void w4a8_tile(const int mb, const 
 /* too are the unsigned operand and the activations the broadcast signed one; the 128 is a zero   */
 /* point, offsets = -128 * s, through the W4A8 zero-point term (xg). 4-bit weights: per block of  */
 /* 32 inputs and row, each float32 sum is updated by the same operations in the same order as the */
-/* AVX2 W4A8 tile's, so both give the same bits. int8 weights: per run of VNNI_SCALE_BLOCKS blocks */
+/* AVX2 W4A8 tile's, so both give the same bits. int8 weights: per run of activation_run_blocks */
 /* (one activation scale), and per channel the column scale once at the end.                       */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
@@ -1404,31 +1443,10 @@ int vnni_supported(void) { return VNNI; }
 static int w4a8_vnni = VNNI;
 void set_w4a8_vnni(int on) { w4a8_vnni = on && VNNI; }
 
-/* int8 weights: one activation scale per VNNI_SCALE_BLOCKS blocks of 32 inputs (a run, summed in
-   int32 before one float rescale). Each rescale is a conversion and an FMA per accumulator, on the
-   pipes vpdpbusd needs: a run of 2 blocks held the tile ~10% below one scale per row, 4 blocks ~5%
-   (64 / 256-row GEMMs 1.03-1.05x faster than 2 blocks, Zen 5). Accuracy against bf16, teacher-forced
-   (48 x 32 positions), runs of 1 / 2 / 4 blocks: trained checkpoint 95.51 / 95.44 / 95.57% top-1,
-   mean |logprob diff| 0.0485 / 0.0512 / 0.0535 (W8A16 96.22%, 0.0404); the outlier copy of
-   tiny-qwen3 95.12 / 95.31 / 95.44%, 0.0586 / 0.0627 / 0.0623; of the random Qwen3-0.6B (24 x 32)
-   73.96 / 73.05 / 72.53%, 1.23 / 1.31 / 1.27: within the runs' own noise. (An earlier 4x outlier
-   threshold made runs of 4 visibly worse.) */
-#define VNNI_SCALE_BLOCKS 4
-
-/* Blocks per activation scale for int8 weights with groups of `group` inputs: VNNI_SCALE_BLOCKS, halved
-   until a run never spans two groups (cpu_int8.py's vnni_scale_blocks mirrors it; a test compares). */
-int vnni_scale_blocks(int64_t group, int64_t K) {
-    const int64_t per_group = group >= K ? 0 : group / W4_BLOCK;  /* 0: one group spans K */
-    int64_t run = VNNI_SCALE_BLOCKS;
-    while (per_group && per_group % run) run /= 2;
-    return (int)run;
-}
-
 /* y[M, N] = x[M, K] . ((u - z) * s)^T (+ bias) with `bits`-bit weights u in VNNI panels (4: the W4A8
-   layout; 8: [ceil(N / 16)][Kp / 4][16][4] bytes). 4 bits: x quantized per block of 32 inputs, as
-   for the AVX2 W4A8 tile (the same bits). 8 bits: one scale per VNNI_SCALE_BLOCKS blocks (outliers
-   still found per block of 32). Returns 1 without VNNI, 2 without memory for the quantized
-   activations. */
+   layout; 8: [ceil(N / 16)][Kp / 4][16][4] bytes). x quantized with one scale per activation_run_blocks
+   blocks of 32 inputs (outliers found per block), as for the AVX2 W4A8 tile (4 bits: the same bits).
+   Returns 1 without VNNI, 2 without memory for the quantized activations. */
 static int vnni_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const int8_t *panels, const float *scales,
                      const float *offsets, int64_t group, const int bits, int64_t N, const float *bias, void *y,
                      const int y_bf16, int num_threads) {
@@ -1442,8 +1460,8 @@ static int vnni_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const int8
     const int64_t Mt = (M + VNNI_ROWS - 1) / VNNI_ROWS * VNNI_ROWS;
     int8_t *xt = malloc((size_t)(Mt * Kp));
     float *xst = malloc((size_t)(Mt * B) * sizeof(float));
-    /* a run never spans two weight groups; 4 bits: the AVX2 W4A8 tile's scales (the same bits) */
-    const int64_t run = bits == 8 ? vnni_scale_blocks(group, K) : 1;
+    /* a run never spans two weight groups; 4 bits: the AVX2 W4A8 tile's runs (the same bits) */
+    const int64_t run = activation_run_blocks(group, K);
     int rc = 2;
     if (xg == NULL || ov == NULL || on == NULL || ok == NULL || xt == NULL || xst == NULL ||
         quantize_tiles_int8(x, x_bf16, M, K, Kp, group, W4_OUTLIER, run, xt, xst, xg, on, ok, ov, num_threads))
@@ -1492,9 +1510,10 @@ static int int4_gemm_w4a8_f32(const float *x, int64_t M, int64_t K, const int8_t
     int32_t *on = malloc((size_t)M * sizeof(int32_t)), *ok = malloc((size_t)(M * E) * sizeof(int32_t));
     int rc = 2;
     if (xq == NULL || xs == NULL || xg == NULL || ov == NULL || on == NULL || ok == NULL) goto done;
-    quantize_blocks_int8(x, M, K, Kp, group, W4_OUTLIER, 1, xq, xs, xg, on, ok, ov, num_threads);
-    I8_DRIVE_TILES(W4_ROW_TILES, w4a8_tile, xq, xs, xg, on, ok, ov, m0, Kp, G, panel, scales, offsets, Np, group, n0,
-                   nn, N, bias, y);
+    const int64_t run = activation_run_blocks(group, K);
+    quantize_blocks_int8(x, M, K, Kp, group, W4_OUTLIER, run, xq, xs, xg, on, ok, ov, num_threads);
+    I8_DRIVE_TILES(W4_ROW_TILES, w4a8_tile, xq, xs, xg, on, ok, ov, m0, Kp, G, run, panel, scales, offsets, Np, group,
+                   n0, nn, N, bias, y);
     rc = 0;
 done:
     free(xq), free(xs), free(xg), free(ov), free(on), free(ok);

@@ -244,6 +244,20 @@ def w4a8_supported(group_size: int, in_features: int) -> bool:
     return group_size % W4A8_BLOCK == 0 or group_size >= in_features
 
 
+ACTIVATION_RUN_BLOCKS = 4  # blocks of 32 inputs per activation scale, W4A8 and int8 VNNI (cpu_int8.c says why)
+
+
+def activation_run_blocks(group: int, in_features: int) -> int:
+    """Blocks per activation scale of the W4A8 and int8 VNNI kernels: ACTIVATION_RUN_BLOCKS, halved until
+    no run spans two weight groups (cpu_int8.c's activation_run_blocks, which the kernels call)."""
+    if group >= in_features:
+        return ACTIVATION_RUN_BLOCKS
+    run = ACTIVATION_RUN_BLOCKS
+    while (group // W4A8_BLOCK) % run:
+        run //= 2
+    return run
+
+
 def quantize_blocks_int8_torch(x: torch.Tensor, outlier: float = W4A8_OUTLIER,
                                scale_blocks: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] float32 -> (qx [M, Kp] int8, zero past K and at outliers; xs [M, Kp / 32] float32;
@@ -269,10 +283,12 @@ def quantize_blocks_int8_torch(x: torch.Tensor, outlier: float = W4A8_OUTLIER,
 
 def int4_gemm_w4a8_torch(x: torch.Tensor, q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
                          group_size: int, bias: torch.Tensor | None = None,
-                         outlier_factor: float = W4A8_OUTLIER, scale_blocks: int = 1) -> torch.Tensor:
-    """x [M, K] float32, quantized per block of 32 inputs (a scale per `scale_blocks` blocks; outliers
-    exact), times the 4-bit weight -> [M, N]."""
+                         outlier_factor: float = W4A8_OUTLIER, scale_blocks: int | None = None) -> torch.Tensor:
+    """x [M, K] float32, quantized per block of 32 inputs (a scale per `scale_blocks` blocks, by default
+    the kernels' activation_run_blocks; outliers exact), times the 4-bit weight -> [M, N]."""
     m, k = x.shape
+    if scale_blocks is None:
+        scale_blocks = activation_run_blocks(group_size, k)
     qx, xs, outlier = quantize_blocks_int8_torch(x.float(), outlier_factor, scale_blocks)
     x_hat = (qx.double().view(m, -1, W4A8_BLOCK) * xs.double()[..., None]).view(m, -1)[:, :k]
     x_hat = torch.where(outlier, x.double(), x_hat)
@@ -335,29 +351,14 @@ def vnni_supported(group_size: int, in_features: int, lib: ctypes.CDLL) -> bool:
     return bool(lib.vnni_supported()) and w4a8_supported(group_size, in_features)
 
 
-VNNI_SCALE_BLOCKS = 4  # int8 weights: one activation scale per 4 blocks of 32 inputs (cpu_int8.c says why)
-
-
-def vnni_scale_blocks(group: int, in_features: int) -> int:
-    """Blocks per activation scale of the int8 VNNI kernel: VNNI_SCALE_BLOCKS, halved until no scale run
-    spans two weight groups (cpu_int8.c's vnni_scale_blocks, which the kernel calls)."""
-    if group >= in_features:
-        return VNNI_SCALE_BLOCKS
-    run = VNNI_SCALE_BLOCKS
-    while (group // W4A8_BLOCK) % run:
-        run //= 2
-    return run
-
-
 def int8_gemm_vnni_torch(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group_size: int | None = None,
                          bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] float32, quantized as for W4A8 (outliers exact, found per block of 32 inputs) but with
-    a scale per vnni_scale_blocks blocks, times the int8 weight q [N, K] with scales [N, groups] ->
-    [M, N] float32."""
+    """x [M, K] float32, quantized as for W4A8 (outliers exact, found per block of 32 inputs, a scale per
+    activation_run_blocks blocks), times the int8 weight q [N, K] with scales [N, groups] -> [M, N]
+    float32."""
     group = check_group_size(group_size, q.shape[1])
     u = (q.int() + VNNI_ZERO).to(torch.uint8)
-    return int4_gemm_w4a8_torch(x, u, torch.full_like(scales, VNNI_ZERO), scales, group, bias,
-                                scale_blocks=vnni_scale_blocks(group, q.shape[1]))
+    return int4_gemm_w4a8_torch(x, u, torch.full_like(scales, VNNI_ZERO), scales, group, bias)
 
 
 @dataclass(frozen=True)

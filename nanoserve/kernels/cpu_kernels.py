@@ -57,7 +57,7 @@ SIGNATURES = {
     "quantize_blocks_int8": [_P, _I64, _I64, _I64, _I64, ctypes.c_double, _I64] + [_P] * 6 + [_I32],
     "int4_gemm_w4a8": [_P, _I64, _I64, _P, _P, _P, _I64, _I64, _P, _P, _I32, _I32],
     "vnni_supported": [],
-    "vnni_scale_blocks": [_I64, _I64],
+    "activation_run_blocks": [_I64, _I64],
     "dpbf16_supported": [],
     "pack_dpbf16_panels": [_P, _I64, _I64, _P, _I32],
     "dpbf16_gemm": [_P, _I64, _I64, _P, _I64, _P, _P, _I32, _I32],
@@ -76,7 +76,7 @@ SIGNATURES = {
 }
 RETURNS_INT = ("paged_attention_f32", "paged_decode_f32", "panel_gemm_bf16", "panel_gemm_supported",
                "decode_layers_bf16", "int8_gemm_supported", "int8_gemm_w8a16", "int8_gemm_w8a8", "int4_gemm_w4a16",
-               "int4_gemm_w4a8", "vnni_supported", "vnni_scale_blocks", "int8_gemm_vnni", "dpbf16_supported", "dpbf16_gemm",
+               "int4_gemm_w4a8", "vnni_supported", "activation_run_blocks", "int8_gemm_vnni", "dpbf16_supported", "dpbf16_gemm",
                "prefill_attention_dpbf16_supported", "prefill_attention_dpbf16", "decode_dpbf16_supported")
 RETURNS_DOUBLE = ("peak_loop_fma_f32", "peak_loop_madd_i16", "peak_loop_maddubs_u8s8", "peak_loop_maddubs_i16",
                   "peak_loop_fma_f32_zmm", "peak_loop_dpbusd", "peak_loop_dpbf16")
