@@ -77,7 +77,8 @@ def test_values_spanning_more_than_16_levels_in_a_group_do_not_fit_int4():
 
 # groups W4A8 takes: whole blocks of 32 inputs, or one group spanning K; K a multiple of 32 or not,
 # N not a multiple of 16, a K shorter than one block.
-W4A8_SHAPES = [(101, 64, 32), (40, 97, 97), (33, 200, 64), (16, 3, 3), (20, 70, 32), (48, 256, 128)]
+W4A8_SHAPES = [(101, 64, 32), (40, 97, 97), (33, 200, 64), (16, 3, 3), (20, 70, 32), (48, 256, 128),
+               (24, 200, 200)]  # one group spanning K: activation runs of 4 + 3 blocks
 
 
 def _with_outliers(x: torch.Tensor, seed: int) -> torch.Tensor:
@@ -92,19 +93,26 @@ def _with_outliers(x: torch.Tensor, seed: int) -> torch.Tensor:
 @needs_kernel
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("n, k, group", W4A8_SHAPES)
-def test_w4a8_kernel_matches_reference(rows, n, k, group):
+@pytest.mark.parametrize("tile", ["default", "avx2"])  # avx2: the AVX2 tile where VNNI would run it
+def test_w4a8_kernel_matches_reference(rows, n, k, group, tile):
+    if tile == "avx2" and not LIB.vnni_supported():
+        pytest.skip("the default tile is the AVX2 one here")
     q, zeros, scales, x, bias = _case(rows, n, k, group, rows * 1000 + n + k)
     x = _with_outliers(x, rows + k)
     packed = pack_int4(q, zeros, scales, group, w4a8=True)
-    for b in (None, bias):
-        got = KERNELS(x, packed, b)
-        ref = int4_gemm_w4a8_torch(x, q, zeros, scales, group, b)
-        assert got.shape == (rows, n) and got.dtype == torch.float32
-        torch.testing.assert_close(got, ref, atol=2e-5 * ref.abs().max().item(), rtol=1e-5)
+    try:
+        LIB.set_w4a8_vnni(0 if tile == "avx2" else 1)
+        for b in (None, bias):
+            got = KERNELS(x, packed, b)
+            ref = int4_gemm_w4a8_torch(x, q, zeros, scales, group, b)
+            assert got.shape == (rows, n) and got.dtype == torch.float32
+            torch.testing.assert_close(got, ref, atol=2e-5 * ref.abs().max().item(), rtol=1e-5)
+    finally:
+        LIB.set_w4a8_vnni(1)  # the library's default (VNNI where the CPU has it)
 
 
 @needs_kernel
-@pytest.mark.parametrize("scale_blocks", [1, 2, 3, 4])  # 1: W4A8's; 4: the int8 VNNI kernel's; 3: a partial last run
+@pytest.mark.parametrize("scale_blocks", [1, 2, 3, 4])  # 4: the kernels' default; 1, 2: groups of fewer blocks; 3: partial runs
 # k: whole sixteen-block chunks (1024, 3072) and a tail after them (1000: 32 blocks, the last partial; 1100: 35)
 @pytest.mark.parametrize("rows, k, heavy", [(1, 64, False), (7, 97, False), (300, 1024, False), (3, 3, False),
                                            (5, 3072, True), (3, 1000, False), (4, 1100, True)])

@@ -119,7 +119,7 @@ def test_greedy_tokens_equal_hf_on_the_dequantized_weights(checkpoints, hf, monk
 
 @pytest.mark.parametrize("name", ["gptq-sym", "awq", "ct-w4a16-asym-act-order"])
 def test_int4_runs_w4a8_by_default_in_bf16_within_the_accuracy_gate(checkpoints, name):
-    """The default int4 path in bf16 rounds activations to int8 per block of 32 (outliers exact): against
+    """The default int4 path in bf16 rounds activations to int8 per run of 128 inputs (outliers exact): against
     the exact W4A16 on the same weights, teacher-forced, it may differ no more than bf16 activations do.
     A float32 model asked for exact activations: there the default is W4A16."""
     import random

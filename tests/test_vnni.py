@@ -69,8 +69,11 @@ def test_vnni_packing_holds_q_plus_128_in_vpdpbusd_order():
         pack_int8_vnni(*quantize_weight_int8(weight, 16), 16)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 11, 300])
-@pytest.mark.parametrize("n, k, group", [(101, 256, 128), (35, 100, 100), (16, 64, 32)])
+# activation runs of 4 (group 128, one group spanning K: 4 + 3 blocks at k 200), of 2 (group 64, the
+# last group partial), of 1 (groups of 1 or 3 blocks); a last group of one block (520); one block (3)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 11, 17, 300])
+@pytest.mark.parametrize("n, k, group", [(101, 256, 128), (37, 520, 128), (33, 200, 64), (20, 288, 96), (16, 64, 32),
+                                         (24, 200, 200), (35, 100, 100), (16, 3, 3)])
 def test_w4a8_vnni_tile_gives_the_avx2_tiles_bits(rows, n, k, group):
     g = torch.Generator().manual_seed(rows + n + k)
     q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)

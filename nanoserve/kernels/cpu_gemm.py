@@ -20,8 +20,8 @@
                format's group scales.
   Int4Gemm     a pre-quantized int4 checkpoint (GPTQ, AWQ, compressed-tensors): 4-bit weights with
                group zero points and scales, half the int8 bytes, q - z as the checkpoint stores it.
-               W4A8 (activations quantized per block of 32 inputs, integer multiply-adds on the
-               nibbles) where the groups allow it; W4A16 (nibbles widened to float32, exact
+               W4A8 (activations quantized to int8, a scale per run of up to 128 inputs, integer
+               multiply-adds on the nibbles) where the groups allow it; W4A16 (nibbles widened to float32, exact
                activations) otherwise or on request.
 
 oneDNN keeps state for every distinct row count it sees, so resident memory grows without bound

@@ -499,8 +499,8 @@ int int4_gemm_w4a16(const void *x, int64_t M, int64_t K, const int8_t *panels, c
 }
 
 /* ------------------------------------------------------------------------------------------ */
-/* W4A8: the same 4-bit weights against activations quantized to int8 per block of 32 inputs     */
-/* (llama.cpp's Q8_0 blocks: an outlier channel coarsens only its own block), multiplied with     */
+/* W4A8: the same 4-bit weights against activations quantized to int8 (outliers found per block  */
+/* of 32 inputs, one scale per run of activation_run_blocks blocks), multiplied with              */
 /* vpmaddubsw (u8 nibble x s8 activation, two products summed into int16). |q * x| <= 15 * 127,   */
 /* so eight such instructions add up in int16 before one vpmaddwd widens them (8 * 2 * 15 * 127   */
 /* < 32767): about 1.8 int8 multiply-adds per multiply-port slot for every float32 FMA, and no    */
@@ -527,8 +527,10 @@ int int4_gemm_w4a16(const void *x, int64_t M, int64_t K, const int8_t *panels, c
    kernel for int8 weights): the tiles sum a run in int32 before one float32 rescale, a conversion and
    an FMA per accumulator, on the pipes the integer multiply-adds need. For int8 weights on the VNNI
    tile a run of 2 blocks held it ~10% below one scale per row, 4 blocks ~5% (64 / 256-row GEMMs
-   1.03-1.05x faster than 2 blocks, Zen 5); for int4 weights rescaling every block cost more still
-   (its int32 sums take 8 vpdpbusd a block, not 16: 4-block runs 1.17x at 16-256 rows). Accuracy
+   1.03-1.05x faster than 2 blocks, Zen 5); int4 weights had rescaled every block: runs of 4 made
+   their GEMMs 1.16-1.18x faster at 16-256 rows on the VNNI tile, 1.11-1.14x at 4-64 on the AVX2 one
+   (its rescale took a vpmaddwd, a conversion and an FMA an accumulator; now a vpmaddwd and an add
+   into the run's int32 sums in memory). Accuracy
    against bf16, teacher-forced (48 x 32 positions), int8 runs of 1 / 2 / 4 blocks: trained
    checkpoint 95.51 / 95.44 / 95.57% top-1, mean |logprob diff| 0.0485 / 0.0512 / 0.0535 (W8A16
    96.22%, 0.0404); the outlier copy of tiny-qwen3 95.12 / 95.31 / 95.44%, 0.0586 / 0.0627 / 0.0623;
@@ -987,10 +989,10 @@ static inline __attribute__((always_inline)) void w4a8_tile(const int mb, const 
 /* already that operand: low nibbles inputs 0-3, high nibbles 4-7, columns 0-15 in order. int8   */
 /* weights are stored as u = q + 128 in [1, 255], [Kp / 4][16][4] bytes per panel, so that they  */
 /* too are the unsigned operand and the activations the broadcast signed one; the 128 is a zero   */
-/* point, offsets = -128 * s, through the W4A8 zero-point term (xg). 4-bit weights: per block of  */
-/* 32 inputs and row, each float32 sum is updated by the same operations in the same order as the */
-/* AVX2 W4A8 tile's, so both give the same bits. int8 weights: per run of activation_run_blocks */
-/* (one activation scale), and per channel the column scale once at the end.                       */
+/* point, offsets = -128 * s, through the W4A8 zero-point term (xg). Per run of                    */
+/* activation_run_blocks blocks (one activation scale) and row: 4-bit weights, each float32 sum   */
+/* updated by the same operations in the same order as the AVX2 W4A8 tile's, so both give the     */
+/* same bits; int8 weights per channel, the column scale once at the end.                          */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define VNNI 1
@@ -1285,7 +1287,7 @@ static inline __attribute__((always_inline)) void vnni_tile(const int mb, const 
     const float *xst = xs + (m0 / VNNI_ROWS) * B * VNNI_ROWS;
     const int64_t per_group = G == 1 ? B : group / W4_BLOCK;
     if (G > 1) prefetch_group_scales(scales, offsets, G, Np, n0);
-    /* int8 per channel: the sums scaled by the activations' block scales only, the column scale once */
+    /* int8 per channel: the sums scaled by the activations' run scales only, the column scale once */
     const int per_channel = bits == 8 && G == 1;
     /* the loop below runs 1-4 rows: two int32 chains a row (a8 .. a11 take the odd steps or the high
        nibbles), so that vpdpbusd's latency stays covered */

@@ -13,10 +13,10 @@ A third kernel, W4A16, runs 4-bit weights with zero points (int4 checkpoints: GP
 compressed-tensors), half the int8 bytes: w = (q - z) * s per group, q in [0, 15]. It takes the
 integers a checkpoint decodes to (nanoserve/quantization/weight.py: q - z as int8) whenever each
 group of them spans at most 16 values (split_int4 recovers q and z; every genuine int4 group does).
-A fourth, W4A8, runs the same 4-bit weights against activations quantized to int8 per block of 32
-inputs (one scale per block, llama.cpp's Q8_0 rounding), with integer multiply-adds, except for
-outliers (values far above their block's mean |x|), which stay exact in float32:
-  W4A8   y = x_hat . ((q - z) * s)^T, x_hat = qx * xs per block, x itself at the outliers.
+A fourth, W4A8, runs the same 4-bit weights against activations quantized to int8 (one scale per run
+of up to four blocks of 32 inputs: activation_run_blocks), with integer multiply-adds, except for
+outliers (values far above their 32-input block's mean |x|), which stay exact in float32:
+  W4A8   y = x_hat . ((q - z) * s)^T, x_hat = qx * xs per block (one xs a run), x at the outliers.
 """
 from __future__ import annotations
 
@@ -234,7 +234,7 @@ def int4_gemm_w4a16_torch(x: torch.Tensor, q: torch.Tensor, zeros: torch.Tensor,
     return (y + bias.double() if bias is not None else y).float()
 
 
-W4A8_BLOCK = 32  # inputs per activation scale in W4A8 (cpu_int8.c's W4_BLOCK)
+W4A8_BLOCK = 32  # inputs per outlier block; a run of activation_run_blocks shares a scale (cpu_int8.c's W4_BLOCK)
 W4A8_OUTLIER = 8.0  # an activation above this times its block's mean |x| stays exact (cpu_int8.c's W4_OUTLIER)
 W4A8_MAX_OUTLIERS = 8  # per block, at most (cpu_int8.c's W4_MAX_OUTLIERS)
 
@@ -411,11 +411,14 @@ class Int4Kernels:
         return (self.w4a8 if w.w4a8 else self.w4a16)(x, w, bias, out_dtype)
 
     def quantize_blocks(self, x: torch.Tensor, group_size: int, outlier: float = W4A8_OUTLIER,
-                        scale_blocks: int = 1) -> tuple[torch.Tensor, ...]:
+                        scale_blocks: int | None = None) -> tuple[torch.Tensor, ...]:
         """x [M, K] float32 -> (qx [M, Kp] int8, xs [M, Kp / 32], xg [M, groups] float32, and the outliers:
         count [M] int32, inputs [M, E] int32, values [M, E] float32): quantize_blocks_int8_torch's qx and
-        xs, xg the zero-point term's sums of xs * qx per group."""
+        xs, xg the zero-point term's sums of xs * qx per group. scale_blocks: blocks per scale (None: the
+        kernels' activation_run_blocks)."""
         x = x.contiguous()
+        if scale_blocks is None:
+            scale_blocks = activation_run_blocks(group_size, x.shape[1])
         m, k = x.shape
         kp = -(-k // W4A8_BLOCK) * W4A8_BLOCK
         capacity = kp // W4A8_BLOCK * W4A8_MAX_OUTLIERS
@@ -431,8 +434,8 @@ class Int4Kernels:
 
     def w4a8(self, x: torch.Tensor, w: PackedInt4, bias: torch.Tensor | None = None,
              out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """x [M, K] bf16 or float32, quantized per block of 32 inputs in the kernel -> [M, N] (bf16 if
-        out_dtype is, else float32; bias float32)."""
+        """x [M, K] bf16 or float32, quantized in the kernel (a scale per activation_run_blocks blocks of
+        32 inputs) -> [M, N] (bf16 if out_dtype is, else float32; bias float32)."""
         if not w.w4a8:
             raise ValueError("w4a8 takes a weight packed with pack_int4(..., w4a8=True)")
         x, y, io = gemm_operands(x, w.out_features, out_dtype)
