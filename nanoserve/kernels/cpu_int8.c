@@ -955,41 +955,62 @@ static inline __attribute__((always_inline)) void w4a8_tile(const int mb, const 
         left -= b1 - b0;  /* runs never span two groups: the next run starts the next group here */
         if (left == 0) g++, left = per_group;
     }
+    /* Each row's zero-point term, the sum over groups of offset_g * xg_g in four chains (groups g % 4),
+       added to its sums once; then its outliers: per group holding any, their v * q summed unscaled
+       (q read from the panel), s * that + offset * their sum of v. Their inputs come in ascending
+       order, so the group follows by counting, not by a division per outlier (~6% of a down
+       projection's inputs are outliers after SiLU-and-mul). vnni_finish_rows does the same
+       operations in the same order (the same bits). */
     for (int r = 0; r < mb; r++) {
-        /* Per group: the outliers' v * q summed unscaled (q read from the panel), then s * that +
-           offset * (the zero-point sum xg + the outliers' sum of v). Their inputs come in ascending
-           order, so the group follows by counting, not by a division per outlier (~6% of a down
-           projection's inputs are outliers after SiLU-and-mul). */
-        __m256 lo = _mm256_loadu_ps(tile[r]), hi = _mm256_loadu_ps(tile[r] + 8);
+        const float *xr = xg + (m0 + r) * G;
+        const float *off = offsets + n0;
+        __m256 z0l = _mm256_setzero_ps(), z1l = z0l, z2l = z0l, z3l = z0l, z0h = z0l, z1h = z0l, z2h = z0l, z3h = z0l;
+#define W4_ZP(zl, zh, gg)                                                                                   \
+    {                                                                                                     \
+        const __m256 xsum = _mm256_set1_ps(xr[gg]);                                                       \
+        zl = _mm256_fmadd_ps(xsum, _mm256_loadu_ps(off + (gg) * Np), zl);                                 \
+        zh = _mm256_fmadd_ps(xsum, _mm256_loadu_ps(off + (gg) * Np + 8), zh);                             \
+    }
+        int64_t g = 0;
+        for (; g + 4 <= G; g += 4) {
+            W4_ZP(z0l, z0h, g) W4_ZP(z1l, z1h, g + 1) W4_ZP(z2l, z2h, g + 2) W4_ZP(z3l, z3h, g + 3)
+        }
+        if (g < G) W4_ZP(z0l, z0h, g)
+        if (g + 1 < G) W4_ZP(z1l, z1h, g + 1)
+        if (g + 2 < G) W4_ZP(z2l, z2h, g + 2)
+#undef W4_ZP
+        _mm256_storeu_ps(tile[r], _mm256_add_ps(_mm256_loadu_ps(tile[r]),
+                                                _mm256_add_ps(_mm256_add_ps(z0l, z1l), _mm256_add_ps(z2l, z3l))));
+        _mm256_storeu_ps(tile[r] + 8, _mm256_add_ps(_mm256_loadu_ps(tile[r] + 8),
+                                                    _mm256_add_ps(_mm256_add_ps(z0h, z1h), _mm256_add_ps(z2h, z3h))));
+    }
+    for (int r = 0; r < mb; r++) {
         const int64_t m = m0 + r;
+        if (on[m] == 0) continue;
+        __m256 lo = _mm256_loadu_ps(tile[r]), hi = _mm256_loadu_ps(tile[r] + 8);
         const int32_t *ks = ok + m * E;
         const float *vs = ov + m * E;
         int32_t i = 0;
-        /* the zero-point terms: even groups, odd groups, as vnni_row_finish (the same bits) */
-        __m256 zlo0 = _mm256_setzero_ps(), zhi0 = zlo0, zlo1 = zlo0, zhi1 = zlo0;
-        for (int64_t g = 0, g_end = group; g < G; g++, g_end += group) {
+        for (int64_t g = 0, g_end = group; g < G && i < on[m]; g++, g_end += group) {
+            if (ks[i] >= g_end) continue;
+            __m256 vlo = _mm256_setzero_ps(), vhi = vlo;
             float vsum = 0.0f;
-            if (i < on[m] && ks[i] < g_end) {
-                __m256 vlo = _mm256_setzero_ps(), vhi = vlo;
-                for (; i < on[m] && ks[i] < g_end; i++) {
-                    const int64_t k = ks[i], kk = k % 8;
-                    const __m128i shift = _mm_cvtsi32_si128((int)(8 * (kk % 4) + 4 * (kk / 4)));
-                    const uint8_t *w = panel + (k / 8) * 64;
-                    const __m256i qlo = _mm256_and_si256(_mm256_srl_epi32(_mm256_loadu_si256((const __m256i *)w), shift), low4);
-                    const __m256i qhi = _mm256_and_si256(_mm256_srl_epi32(_mm256_loadu_si256((const __m256i *)(w + 32)), shift), low4);
-                    const __m256 v = _mm256_set1_ps(vs[i]);
-                    vlo = _mm256_fmadd_ps(v, _mm256_cvtepi32_ps(qlo), vlo), vhi = _mm256_fmadd_ps(v, _mm256_cvtepi32_ps(qhi), vhi);
-                    vsum += vs[i];
-                }
-                lo = _mm256_fmadd_ps(_mm256_loadu_ps(scales + g * Np + n0), vlo, lo);
-                hi = _mm256_fmadd_ps(_mm256_loadu_ps(scales + g * Np + n0 + 8), vhi, hi);
+            for (; i < on[m] && ks[i] < g_end; i++) {
+                const int64_t k = ks[i], kk = k % 8;
+                const __m128i shift = _mm_cvtsi32_si128((int)(8 * (kk % 4) + 4 * (kk / 4)));
+                const uint8_t *w = panel + (k / 8) * 64;
+                const __m256i qlo = _mm256_and_si256(_mm256_srl_epi32(_mm256_loadu_si256((const __m256i *)w), shift), low4);
+                const __m256i qhi = _mm256_and_si256(_mm256_srl_epi32(_mm256_loadu_si256((const __m256i *)(w + 32)), shift), low4);
+                const __m256 v = _mm256_set1_ps(vs[i]);
+                vlo = _mm256_fmadd_ps(v, _mm256_cvtepi32_ps(qlo), vlo), vhi = _mm256_fmadd_ps(v, _mm256_cvtepi32_ps(qhi), vhi);
+                vsum += vs[i];
             }
-            const __m256 xsum = _mm256_set1_ps(xg[m * G + g] + vsum);
-            const __m256 olo = _mm256_loadu_ps(offsets + g * Np + n0), ohi = _mm256_loadu_ps(offsets + g * Np + n0 + 8);
-            if (g & 1) zlo1 = _mm256_fmadd_ps(xsum, olo, zlo1), zhi1 = _mm256_fmadd_ps(xsum, ohi, zhi1);
-            else zlo0 = _mm256_fmadd_ps(xsum, olo, zlo0), zhi0 = _mm256_fmadd_ps(xsum, ohi, zhi0);
+            lo = _mm256_fmadd_ps(_mm256_loadu_ps(scales + g * Np + n0), vlo, lo);
+            hi = _mm256_fmadd_ps(_mm256_loadu_ps(scales + g * Np + n0 + 8), vhi, hi);
+            const __m256 v = _mm256_set1_ps(vsum);
+            lo = _mm256_fmadd_ps(v, _mm256_loadu_ps(offsets + g * Np + n0), lo);
+            hi = _mm256_fmadd_ps(v, _mm256_loadu_ps(offsets + g * Np + n0 + 8), hi);
         }
-        lo = _mm256_add_ps(lo, _mm256_add_ps(zlo0, zlo1)), hi = _mm256_add_ps(hi, _mm256_add_ps(zhi0, zhi1));
         _mm256_storeu_ps(tile[r], lo), _mm256_storeu_ps(tile[r] + 8, hi);
     }
     store_rows(mb, tile, y, m0, N, n0, nn, NULL, bias);
@@ -1016,26 +1037,23 @@ static inline __attribute__((always_inline)) void w4a8_tile(const int mb, const 
                         cache for the second (1.5x at 16 rows) */
 
 
-/* One row's exact outliers and zero-point term, added to its float32 sums acc (16 columns). Per
-   group: the outliers' v * u summed unscaled (u picked from the panel by one byte shuffle), then
-   s * that + offset * (the zero-point sum xg + the outliers' sum of v); their inputs come in
-   ascending order, so the group follows by counting, not by a division per outlier. The zero-point
-   terms add up in two chains, even and odd groups, joining acc at the end (two dependent FMAs a
-   group through acc held int4 GEMMs ~4-6% back, Zen 5); the AVX2 W4A8 tile does the same operations
-   in the same order (the same bits). */
-static inline __m512 vnni_row_finish(__m512 acc, const int bits, int64_t m, const int32_t *on, const int32_t *ok,
-                                     const float *ov, int64_t E, const float *xg, int64_t G, const uint8_t *panel,
-                                     const float *scales, const float *offsets, int64_t Np, int64_t group,
-                                     int64_t n0) {
+/* One row's exact outliers, added to its float32 sums acc (16 columns). Per group holding any: their
+   v * u summed unscaled (u picked from the panel by one byte shuffle), then s * that + offset * (their
+   sum of v): the rest of the zero-point term, offset * xg, is vnni_finish_rows' (per channel, with
+   offset * (xg + the sum of v) here). Their inputs come in ascending order, so the group follows by
+   counting, not by a division per outlier. */
+static inline __m512 vnni_row_outliers(__m512 acc, const int bits, int64_t m, const int32_t *on, const int32_t *ok,
+                                       const float *ov, int64_t E, const float *xg, int64_t G, const uint8_t *panel,
+                                       const float *scales, const float *offsets, int64_t Np, int64_t group,
+                                       int64_t n0, const int per_channel) {
     /* byte c of every 32-bit lane, zero-extended: vpshufb indices per 128-bit lane */
     const __m512i pick0 = _mm512_set4_epi32((int)0x8080800C, (int)0x80808008, (int)0x80808004, (int)0x80808000);
     const int32_t *ks = ok + m * E;
     const float *vs = ov + m * E;
     int32_t i = 0;
-    __m512 zp0 = _mm512_setzero_ps(), zp1 = zp0;  /* the zero-point term: even groups, odd groups */
-    for (int64_t g = 0, g_end = group; g < G; g++, g_end += group) {
+    for (int64_t g = 0, g_end = group; g < G && (per_channel || i < on[m]); g++, g_end += group) {
         float vsum = 0.0f;
-        if (i < on[m] && ks[i] < g_end) {  /* a group without outliers (most) adds nothing here */
+        if (i < on[m] && ks[i] < g_end) {
             __m512 vu = _mm512_setzero_ps();
             for (; i < on[m] && ks[i] < g_end; i++) {
                 const int64_t k = ks[i];
@@ -1047,12 +1065,11 @@ static inline __m512 vnni_row_finish(__m512 acc, const int bits, int64_t m, cons
                 vsum += vs[i];
             }
             acc = _mm512_fmadd_ps(_mm512_loadu_ps(scales + g * Np + n0), vu, acc);
+            if (!per_channel) acc = _mm512_fmadd_ps(_mm512_set1_ps(vsum), _mm512_loadu_ps(offsets + g * Np + n0), acc);
         }
-        const __m512 xsum = _mm512_set1_ps(xg[m * G + g] + vsum), off = _mm512_loadu_ps(offsets + g * Np + n0);
-        if (g & 1) zp1 = _mm512_fmadd_ps(xsum, off, zp1);
-        else zp0 = _mm512_fmadd_ps(xsum, off, zp0);
+        if (per_channel) acc = _mm512_fmadd_ps(_mm512_set1_ps(xg[m * G + g] + vsum), _mm512_loadu_ps(offsets + g * Np + n0), acc);
     }
-    return _mm512_add_ps(acc, _mm512_add_ps(zp0, zp1));
+    return acc;
 }
 
 /* quantize_blocks_int8 straight into the tiles' layout: per tile of VNNI_ROWS rows and block of 32
@@ -1264,7 +1281,7 @@ static __attribute__((noinline)) void vnni_pair_tile_w8(const uint8_t *w0, const
 #undef VNNI_DP
 
 /* A tile's rows m0 .. m0+mb-1 against one panel (columns n0 .. n0+nn-1) out of their float32 sums
-   facc: the column scale (int8 per channel), the outliers and zero-point term (vnni_row_finish),
+   facc: the column scale (int8 per channel), the zero-point term and the outliers (vnni_row_outliers),
    the bias, stored in y's dtype. */
 static inline void vnni_finish_rows(const int mb, const int bits, float facc[VNNI_ROWS][I8_PANEL], int64_t m0,
                                     const int32_t *on, const int32_t *ok, const float *ov, int64_t E, const float *xg,
@@ -1276,13 +1293,49 @@ static inline void vnni_finish_rows(const int mb, const int bits, float facc[VNN
     const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
     const __m512 column_scale = per_channel ? _mm512_loadu_ps(scales + n0) : _mm512_setzero_ps();
     const __m512 column_offset = per_channel ? _mm512_loadu_ps(offsets + n0) : _mm512_setzero_ps();
+    /* in groups, each row's zero-point term, the sum over g of offset_g * xg_g, in four chains (groups
+       g % 4) added to its sums once: through the sums, two dependent FMAs a group held int4 GEMMs
+       ~10-15% back (Zen 5). Four rows at a time share each group's offsets (a last partial four
+       recomputes its last row: a row's arithmetic is the same whatever its neighbours). The AVX2
+       W4A8 tile does the same operations in the same order (the same bits). */
+    for (int r0 = 0; r0 < mb && !per_channel; r0 += 4) {
+        const float *off = offsets + n0;
+        const float *x0 = xg + (m0 + r0) * G, *x1 = xg + (m0 + (r0 + 1 < mb ? r0 + 1 : mb - 1)) * G;
+        const float *x2 = xg + (m0 + (r0 + 2 < mb ? r0 + 2 : mb - 1)) * G;
+        const float *x3 = xg + (m0 + (r0 + 3 < mb ? r0 + 3 : mb - 1)) * G;
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+        __m512 c0 = a0, c1 = a0, c2 = a0, c3 = a0, d0 = a0, d1 = a0, d2 = a0, d3 = a0;
+#define ZP_GROUP(j, gg)                                                                          \
+    {                                                                                            \
+        const __m512 o = _mm512_loadu_ps(off + (gg) * Np);                                       \
+        a##j = _mm512_fmadd_ps(_mm512_set1_ps(x0[gg]), o, a##j);                                 \
+        b##j = _mm512_fmadd_ps(_mm512_set1_ps(x1[gg]), o, b##j);                                 \
+        c##j = _mm512_fmadd_ps(_mm512_set1_ps(x2[gg]), o, c##j);                                 \
+        d##j = _mm512_fmadd_ps(_mm512_set1_ps(x3[gg]), o, d##j);                                 \
+    }
+        int64_t g = 0;
+        for (; g + 4 <= G; g += 4) {
+            ZP_GROUP(0, g) ZP_GROUP(1, g + 1) ZP_GROUP(2, g + 2) ZP_GROUP(3, g + 3)
+        }
+        if (g < G) ZP_GROUP(0, g)
+        if (g + 1 < G) ZP_GROUP(1, g + 1)
+        if (g + 2 < G) ZP_GROUP(2, g + 2)
+#undef ZP_GROUP
+#define ZP_ADD(r, z)                                                                             \
+    if (r < mb)                                                                                  \
+        _mm512_store_ps(facc[r], _mm512_add_ps(_mm512_load_ps(facc[r]), _mm512_add_ps(_mm512_add_ps(z##0, z##1), \
+                                                                                      _mm512_add_ps(z##2, z##3))));
+        ZP_ADD(r0, a) ZP_ADD(r0 + 1, b) ZP_ADD(r0 + 2, c) ZP_ADD(r0 + 3, d)
+#undef ZP_ADD
+    }
     for (int r = 0; r < mb; r++) {
         __m512 f = _mm512_load_ps(facc[r]);
         if (per_channel) f = _mm512_mul_ps(f, column_scale);
-        /* per channel without outliers (most rows): vnni_row_finish's one remaining operation */
-        const __m512 acc = per_channel && on[m0 + r] == 0
-            ? _mm512_fmadd_ps(_mm512_set1_ps(xg[m0 + r]), column_offset, f)
-            : vnni_row_finish(f, bits, m0 + r, on, ok, ov, E, xg, G, panel, scales, offsets, Np, group, n0);
+        /* per channel without outliers (most rows): the zero-point term's one operation */
+        const __m512 acc = per_channel && on[m0 + r] == 0 ? _mm512_fmadd_ps(_mm512_set1_ps(xg[m0 + r]), column_offset, f)
+                           : on[m0 + r] == 0 ? f
+                           : vnni_row_outliers(f, bits, m0 + r, on, ok, ov, E, xg, G, panel, scales, offsets, Np, group,
+                                               n0, per_channel);
         const __m512 out = bias ? _mm512_add_ps(acc, bv) : acc;
         if (y_bf16)
             _mm256_mask_storeu_epi16((uint16_t *)y + (m0 + r) * N + n0, mask, f32x16_to_bf16(out));
