@@ -330,3 +330,22 @@ def test_store_kv_c_equals_torch_and_writes_nothing_else(dtype, num_tokens, head
     # a cache in another dtype than the rows: declined, nothing written
     other = init.to(torch.float16)
     assert not KERNELS.store_kv(key, value, other, other.clone(), slots) and bool((other == 7.0).all())
+
+
+@needs_kernel
+@pytest.mark.parametrize("march", ["haswell", "x86-64-v2"])
+def test_kernel_sources_compile_for_older_cpu_classes(march, tmp_path):
+    """The library is built with -march=native, so a machine with AVX-512 never compiles the AVX2-only
+    code (16 vector registers, no EVEX) or the scalar fallbacks: compile them for an AVX2 class
+    (haswell) and for one without AVX (x86-64-v2), warnings as errors."""
+    import shutil
+    import subprocess
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    flags = [f if f != "-march=native" else f"-march={march}" for f in cpu_kernels.CFLAGS if f != "-shared"]
+    for source in cpu_kernels.SOURCES:
+        run = subprocess.run([cc, *flags, "-Werror", "-c", str(source), "-o", str(tmp_path / f"{source.stem}.o")],
+                             capture_output=True, text=True)
+        assert run.returncode == 0, f"{source.name} with -march={march}:\n{run.stderr[-3000:]}"

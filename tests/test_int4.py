@@ -78,7 +78,8 @@ def test_values_spanning_more_than_16_levels_in_a_group_do_not_fit_int4():
 # groups W4A8 takes: whole blocks of 32 inputs, or one group spanning K; K a multiple of 32 or not,
 # N not a multiple of 16, a K shorter than one block.
 W4A8_SHAPES = [(101, 64, 32), (40, 97, 97), (33, 200, 64), (16, 3, 3), (20, 70, 32), (48, 256, 128),
-               (24, 200, 200)]  # one group spanning K: activation runs of 4 + 3 blocks
+               (24, 200, 200),  # one group spanning K: activation runs of 4 + 3 blocks
+               (20, 224, 32), (33, 416, 64)]  # 7 groups: the zero-point term's four chains and a tail
 
 
 def _with_outliers(x: torch.Tensor, seed: int) -> torch.Tensor:

@@ -70,10 +70,12 @@ def test_vnni_packing_holds_q_plus_128_in_vpdpbusd_order():
 
 
 # activation runs of 4 (group 128, one group spanning K: 4 + 3 blocks at k 200), of 2 (group 64, the
-# last group partial), of 1 (groups of 1 or 3 blocks); a last group of one block (520); one block (3)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 11, 17, 300])
+# last group partial), of 1 (groups of 1 or 3 blocks); a last group of one block (520); one block (3);
+# 6 and 7 groups: the zero-point term's four chains and a tail of 2 or 3
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 11, 14, 17, 300])
 @pytest.mark.parametrize("n, k, group", [(101, 256, 128), (37, 520, 128), (33, 200, 64), (20, 288, 96), (16, 64, 32),
-                                         (24, 200, 200), (35, 100, 100), (16, 3, 3)])
+                                         (24, 200, 200), (35, 100, 100), (16, 3, 3), (20, 224, 32), (33, 416, 64),
+                                         (40, 768, 128)])
 def test_w4a8_vnni_tile_gives_the_avx2_tiles_bits(rows, n, k, group):
     g = torch.Generator().manual_seed(rows + n + k)
     q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
@@ -86,6 +88,29 @@ def test_w4a8_vnni_tile_gives_the_avx2_tiles_bits(rows, n, k, group):
         avx2 = kernels(x, packed, bias)
         LIB.set_w4a8_vnni(1)
         vnni = kernels(x, packed, bias)
+    finally:
+        LIB.set_w4a8_vnni(1)
+    assert torch.equal(vnni, avx2)
+
+
+@pytest.mark.parametrize("rows", [1, 6, 16])
+def test_w4a8_tiles_agree_with_outliers_in_some_groups_and_rows_only(rows):
+    """Outliers in groups 0 and 2 of even rows only: rows without any, and a group without between two
+    with, take their own path through both tiles' finish."""
+    n, k, group = 33, 416, 64
+    g = torch.Generator().manual_seed(rows)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    zeros = torch.randint(0, 17, (n, -(-k // group)), generator=g, dtype=torch.int32)
+    scales = torch.rand(zeros.shape, generator=g) * 0.1
+    x = torch.randn(rows, k, generator=g)
+    x[0::2, 5], x[0::2, 2 * group + 7] = 400.0, -300.0
+    packed, kernels = pack_int4(q, zeros, scales, group, w4a8=True), Int4Kernels(LIB)
+    assert int(kernels.quantize_blocks(x, group)[3][0]) == 2 and (rows == 1 or int(kernels.quantize_blocks(x, group)[3][1]) == 0)
+    try:
+        LIB.set_w4a8_vnni(0)
+        avx2 = kernels(x, packed)
+        LIB.set_w4a8_vnni(1)
+        vnni = kernels(x, packed)
     finally:
         LIB.set_w4a8_vnni(1)
     assert torch.equal(vnni, avx2)

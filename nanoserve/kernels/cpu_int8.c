@@ -958,7 +958,7 @@ static inline __attribute__((always_inline)) void w4a8_tile(const int mb, const 
     /* Each row's zero-point term, the sum over groups of offset_g * xg_g in four chains (groups g % 4),
        added to its sums once; then its outliers: per group holding any, their v * q summed unscaled
        (q read from the panel), s * that + offset * their sum of v. Their inputs come in ascending
-       order, so the group follows by counting, not by a division per outlier (~6% of a down
+       order, so the group follows by counting, not by a division per outlier (~1% of a down
        projection's inputs are outliers after SiLU-and-mul). vnni_finish_rows does the same
        operations in the same order (the same bits). */
     for (int r = 0; r < mb; r++) {
@@ -1295,39 +1295,49 @@ static inline void vnni_finish_rows(const int mb, const int bits, float facc[VNN
     const __m512 column_offset = per_channel ? _mm512_loadu_ps(offsets + n0) : _mm512_setzero_ps();
     /* in groups, each row's zero-point term, the sum over g of offset_g * xg_g, in four chains (groups
        g % 4) added to its sums once: through the sums, two dependent FMAs a group held int4 GEMMs
-       ~10-15% back (Zen 5). Four rows at a time share each group's offsets (a last partial four
-       recomputes its last row: a row's arithmetic is the same whatever its neighbours). The AVX2
-       W4A8 tile does the same operations in the same order (the same bits). */
-    for (int r0 = 0; r0 < mb && !per_channel; r0 += 4) {
-        const float *off = offsets + n0;
-        const float *x0 = xg + (m0 + r0) * G, *x1 = xg + (m0 + (r0 + 1 < mb ? r0 + 1 : mb - 1)) * G;
-        const float *x2 = xg + (m0 + (r0 + 2 < mb ? r0 + 2 : mb - 1)) * G;
-        const float *x3 = xg + (m0 + (r0 + 3 < mb ? r0 + 3 : mb - 1)) * G;
+       ~10-15% back (Zen 5). Four rows at a time share each group's offsets, the last few rows one at
+       a time (a row's arithmetic is the same whatever its neighbours). The AVX2 W4A8 tile does the
+       same operations in the same order (the same bits). */
+#define ZP_FMA(z, x, gg, o) z = _mm512_fmadd_ps(_mm512_set1_ps(x[gg]), o, z);
+#define ZP_GROUPS(GROUP)                                                                         \
+    {                                                                                            \
+        int64_t g = 0;                                                                           \
+        for (; g + 4 <= G; g += 4) {                                                             \
+            GROUP(0, g) GROUP(1, g + 1) GROUP(2, g + 2) GROUP(3, g + 3)                          \
+        }                                                                                        \
+        if (g < G) GROUP(0, g)                                                                   \
+        if (g + 1 < G) GROUP(1, g + 1)                                                           \
+        if (g + 2 < G) GROUP(2, g + 2)                                                           \
+    }
+#define ZP_ADD(r, z)                                                                             \
+    _mm512_store_ps(facc[r], _mm512_add_ps(_mm512_load_ps(facc[r]),                            \
+                                           _mm512_add_ps(_mm512_add_ps(z##0, z##1), _mm512_add_ps(z##2, z##3))));
+    const float *off = offsets + n0;
+    int r0 = 0;
+    for (; r0 + 4 <= mb && !per_channel; r0 += 4) {
+        const float *x0 = xg + (m0 + r0) * G, *x1 = x0 + G, *x2 = x1 + G, *x3 = x2 + G;
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
         __m512 c0 = a0, c1 = a0, c2 = a0, c3 = a0, d0 = a0, d1 = a0, d2 = a0, d3 = a0;
-#define ZP_GROUP(j, gg)                                                                          \
+#define ZP_GROUP4(j, gg)                                                                         \
     {                                                                                            \
         const __m512 o = _mm512_loadu_ps(off + (gg) * Np);                                       \
-        a##j = _mm512_fmadd_ps(_mm512_set1_ps(x0[gg]), o, a##j);                                 \
-        b##j = _mm512_fmadd_ps(_mm512_set1_ps(x1[gg]), o, b##j);                                 \
-        c##j = _mm512_fmadd_ps(_mm512_set1_ps(x2[gg]), o, c##j);                                 \
-        d##j = _mm512_fmadd_ps(_mm512_set1_ps(x3[gg]), o, d##j);                                 \
+        ZP_FMA(a##j, x0, gg, o) ZP_FMA(b##j, x1, gg, o) ZP_FMA(c##j, x2, gg, o) ZP_FMA(d##j, x3, gg, o) \
     }
-        int64_t g = 0;
-        for (; g + 4 <= G; g += 4) {
-            ZP_GROUP(0, g) ZP_GROUP(1, g + 1) ZP_GROUP(2, g + 2) ZP_GROUP(3, g + 3)
-        }
-        if (g < G) ZP_GROUP(0, g)
-        if (g + 1 < G) ZP_GROUP(1, g + 1)
-        if (g + 2 < G) ZP_GROUP(2, g + 2)
-#undef ZP_GROUP
-#define ZP_ADD(r, z)                                                                             \
-    if (r < mb)                                                                                  \
-        _mm512_store_ps(facc[r], _mm512_add_ps(_mm512_load_ps(facc[r]), _mm512_add_ps(_mm512_add_ps(z##0, z##1), \
-                                                                                      _mm512_add_ps(z##2, z##3))));
+        ZP_GROUPS(ZP_GROUP4)
+#undef ZP_GROUP4
         ZP_ADD(r0, a) ZP_ADD(r0 + 1, b) ZP_ADD(r0 + 2, c) ZP_ADD(r0 + 3, d)
-#undef ZP_ADD
     }
+    for (; r0 < mb && !per_channel; r0++) {
+        const float *x0 = xg + (m0 + r0) * G;
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+#define ZP_GROUP1(j, gg) ZP_FMA(a##j, x0, gg, _mm512_loadu_ps(off + (gg) * Np))
+        ZP_GROUPS(ZP_GROUP1)
+#undef ZP_GROUP1
+        ZP_ADD(r0, a)
+    }
+#undef ZP_ADD
+#undef ZP_GROUPS
+#undef ZP_FMA
     for (int r = 0; r < mb; r++) {
         __m512 f = _mm512_load_ps(facc[r]);
         if (per_channel) f = _mm512_mul_ps(f, column_scale);
