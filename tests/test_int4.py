@@ -113,7 +113,8 @@ def test_w4a8_kernel_matches_reference(rows, n, k, group, tile):
 
 
 @needs_kernel
-@pytest.mark.parametrize("scale_blocks", [1, 2, 3, 4])  # 4: the kernels' default; 1, 2: groups of fewer blocks; 3: partial runs
+# scale_blocks 4: the kernels' default; 1, 2: groups of fewer blocks; 3: partial runs
+@pytest.mark.parametrize("scale_blocks", [1, 2, 3, 4])
 # k: whole sixteen-block chunks (1024, 3072) and a tail after them (1000: 32 blocks, the last partial; 1100: 35)
 @pytest.mark.parametrize("rows, k, heavy", [(1, 64, False), (7, 97, False), (300, 1024, False), (3, 3, False),
                                            (5, 3072, True), (3, 1000, False), (4, 1100, True)])

@@ -21,8 +21,8 @@
   Int4Gemm     a pre-quantized int4 checkpoint (GPTQ, AWQ, compressed-tensors): 4-bit weights with
                group zero points and scales, half the int8 bytes, q - z as the checkpoint stores it.
                W4A8 (activations quantized to int8, a scale per run of up to 128 inputs, integer
-               multiply-adds on the nibbles) where the groups allow it; W4A16 (nibbles widened to float32, exact
-               activations) otherwise or on request.
+               multiply-adds on the nibbles) where the groups allow it; W4A16 (nibbles widened to
+               float32, exact activations) otherwise or on request.
 
 oneDNN keeps state for every distinct row count it sees, so resident memory grows without bound
 when each step has a new token count; the oneDNN and F.linear paths therefore pad the rows to a

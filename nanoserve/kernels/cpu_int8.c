@@ -1067,7 +1067,8 @@ static inline __m512 vnni_row_outliers(__m512 acc, const int bits, int64_t m, co
             acc = _mm512_fmadd_ps(_mm512_loadu_ps(scales + g * Np + n0), vu, acc);
             if (!per_channel) acc = _mm512_fmadd_ps(_mm512_set1_ps(vsum), _mm512_loadu_ps(offsets + g * Np + n0), acc);
         }
-        if (per_channel) acc = _mm512_fmadd_ps(_mm512_set1_ps(xg[m * G + g] + vsum), _mm512_loadu_ps(offsets + g * Np + n0), acc);
+        if (per_channel)
+            acc = _mm512_fmadd_ps(_mm512_set1_ps(xg[m * G + g] + vsum), _mm512_loadu_ps(offsets + g * Np + n0), acc);
     }
     return acc;
 }
@@ -1342,10 +1343,12 @@ static inline void vnni_finish_rows(const int mb, const int bits, float facc[VNN
         __m512 f = _mm512_load_ps(facc[r]);
         if (per_channel) f = _mm512_mul_ps(f, column_scale);
         /* per channel without outliers (most rows): the zero-point term's one operation */
-        const __m512 acc = per_channel && on[m0 + r] == 0 ? _mm512_fmadd_ps(_mm512_set1_ps(xg[m0 + r]), column_offset, f)
-                           : on[m0 + r] == 0 ? f
-                           : vnni_row_outliers(f, bits, m0 + r, on, ok, ov, E, xg, G, panel, scales, offsets, Np, group,
-                                               n0, per_channel);
+        __m512 acc = f;
+        if (on[m0 + r] > 0)
+            acc = vnni_row_outliers(f, bits, m0 + r, on, ok, ov, E, xg, G, panel, scales, offsets, Np, group, n0,
+                                    per_channel);
+        else if (per_channel)
+            acc = _mm512_fmadd_ps(_mm512_set1_ps(xg[m0 + r]), column_offset, f);
         const __m512 out = bias ? _mm512_add_ps(acc, bv) : acc;
         if (y_bf16)
             _mm256_mask_storeu_epi16((uint16_t *)y + (m0 + r) * N + n0, mask, f32x16_to_bf16(out));
