@@ -337,7 +337,7 @@ def test_store_kv_c_equals_torch_and_writes_nothing_else(dtype, num_tokens, head
 def test_kernel_sources_compile_for_older_cpu_classes(march, tmp_path):
     """The library is built with -march=native, so a machine with AVX-512 never compiles the AVX2-only
     code (16 vector registers, no EVEX) or the scalar fallbacks: compile them for an AVX2 class
-    (haswell) and for one without AVX (x86-64-v2), warnings as errors."""
+    (haswell) and for one without AVX (x86-64-v2), -Wall -Wextra as errors."""
     import shutil
     import subprocess
 
@@ -346,6 +346,6 @@ def test_kernel_sources_compile_for_older_cpu_classes(march, tmp_path):
         pytest.skip("no C compiler")
     flags = [f if f != "-march=native" else f"-march={march}" for f in cpu_kernels.CFLAGS if f != "-shared"]
     for source in cpu_kernels.SOURCES:
-        run = subprocess.run([cc, *flags, "-Werror", "-c", str(source), "-o", str(tmp_path / f"{source.stem}.o")],
+        run = subprocess.run([cc, *flags, "-Wall", "-Wextra", "-Werror", "-c", str(source), "-o", str(tmp_path / f"{source.stem}.o")],
                              capture_output=True, text=True)
         assert run.returncode == 0, f"{source.name} with -march={march}:\n{run.stderr[-3000:]}"

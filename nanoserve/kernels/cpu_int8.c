@@ -897,7 +897,8 @@ static inline __attribute__((always_inline)) void w4a8_tile(const int mb, const 
     /* float32 sums in memory, touched once per run, and the run's int32 sums, once per block: in
        registers they pushed the int16 ones out */
     float tile[6][I8_PANEL] = {{0}};
-    int32_t sums[W4_ROWS][I8_PANEL] __attribute__((aligned(32)));
+    int32_t sums[W4_ROWS][I8_PANEL] __attribute__((aligned(32))) = {{0}};  /* zeroed: GCC cannot see
+                                                                           a run's first block writes them */
     /* blocks per group: a division per block (idiv, ~40 cycles on Zen 1) cost as much as its math */
     const int64_t per_group = G == 1 ? B : group / W4_BLOCK;
     if (G > 1) prefetch_group_scales(scales, offsets, G, Np, n0);

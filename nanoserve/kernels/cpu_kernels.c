@@ -394,6 +394,7 @@ static inline void prefetch_keys(const uint16_t *cache, const int32_t *table, in
 static void decode_scores_bf16(const float *qs, const uint16_t *k_cache, const int32_t *table, int64_t nkeys,
                                int64_t block_size, int64_t num_kv_heads, int64_t kv0, int64_t kv_per_item,
                                int64_t G, int64_t head_dim, float *scores, int64_t max_keys, int zmm) {
+    (void)zmm;  /* read only where the build has the zmm kernels (DECODE_ZMM) */
 #if defined(__AVX2__) && defined(__FMA__)
     for (int64_t j0 = 0; j0 < nkeys; j0 += 4) {
         const uint16_t *rows[4];  /* scores of a short block's repeated last key are dropped */
