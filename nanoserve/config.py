@@ -55,7 +55,7 @@ class Config:
     # Structured outputs: append the tokens a grammar forces (key names, `":`, closing braces)
     # without sampling them (nanoserve/structured/matcher.py). False: every token is sampled, as in vLLM.
     structured_outputs_jump_forward: bool = True
-    # A request's tokens and logprobs bit-identical whatever else shares its steps (README "Scoring");
+    # A request's tokens and logprobs bit-identical whatever else shares its steps (README "Scoring"), CPU only;
     # also turned on by vLLM's env VLLM_BATCH_INVARIANT=1.
     batch_invariant: bool = False
     # "int8": per-channel int8 weights quantized at load (CPU only); a pre-quantized checkpoint's

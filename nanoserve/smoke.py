@@ -13,7 +13,9 @@ near-exact tie of the reference's top 2 forgives one. The rows cover what the RE
   * a decode past 8k context (a multi-split decode) over a KV cache whose per-layer views pass 2^31
     elements, with the sequences placed in its last blocks;
   * every architecture (Qwen3, Llama, Qwen2, Mistral, Qwen3-MoE) in float32 on the torch and Triton
-    backends against HF transformers' own model on the GPU, token for token (`hf_parity`).
+    backends against HF transformers' own model on the GPU, token for token (`hf_parity`);
+  * every pre-quantized checkpoint format (GPTQ with and without act-order, AWQ, compressed-tensors
+    W4A16 and W8A8, FP8), dequantized at load, against HF on its float twin (`quantized_parity`).
 Rows that cannot run here (one GPU, no usable flash-attn) are listed with the reason. Then a short
 throughput run on a random Qwen3-0.6B. Without a GPU it says so and exits 0 (`--plan` lists the rows).
 """
@@ -229,15 +231,70 @@ def _hf_parity_rows(device: str, backends, graphs, archs, max_tokens: int) -> li
             except Exception as e:  # a row per failure
                 rows.append((label, f"ERROR {type(e).__name__}: {str(e).splitlines()[0][:80]}"))
                 continue
-            diverged = []
-            for outs in runs:
-                for i, (out, (tokens, gaps)) in enumerate(zip(outs, reference)):
-                    t = first_divergence(out.outputs[0].token_ids, tokens)
-                    if t is not None and gaps[t] >= FP32_NEAR_TIE:
-                        diverged.append(f"prompt {i} token {t} (HF top-2 gap {gaps[t]:.2e})")
-            ok = not diverged and not held
-            detail = f"; {', '.join(diverged[:3])}" if diverged else f"; {held} KV blocks still held" if held else ""
-            rows.append((label, f"{'ok' if ok else 'MISMATCH'}: {len(reqs)} prompts x 2 runs{detail}"))
+            rows.append((label, verdict(runs, reference, held)))
+    return rows
+
+
+def verdict(runs, reference, held: int) -> str:
+    """Each run's greedy tokens against HF's (a top-2 gap under FP32_NEAR_TIE forgives a divergence)
+    and no KV block held once the engine is idle."""
+    diverged = []
+    for outs in runs:
+        for i, (out, (tokens, gaps)) in enumerate(zip(outs, reference)):
+            t = first_divergence(out.outputs[0].token_ids, tokens)
+            if t is not None and gaps[t] >= FP32_NEAR_TIE:
+                diverged.append(f"prompt {i} token {t} (HF top-2 gap {gaps[t]:.2e})")
+    ok = not diverged and not held
+    detail = f"; {', '.join(diverged[:3])}" if diverged else f"; {held} KV blocks still held" if held else ""
+    return f"{'ok' if ok else 'MISMATCH'}: {len(reference)} prompts x {len(runs)} runs{detail}"
+
+
+QUANTIZED_FORMATS = {  # row name -> (nanoserve.quantization.pack kind, options): the layouts its tools write
+    "gptq": ("gptq", {}),
+    "gptq-act-order": ("gptq", dict(sym=False, act_order=True)),
+    "awq": ("awq", {}),
+    "ct-w4a16": ("ct-pack", {}),
+    "ct-w8a8": ("ct-int8", dict(w8a8=True)),
+    "fp8": ("fp8", dict(block=(16, 32))),
+}
+
+
+def quantized_parity(device: str = "cuda", backends=("triton",), formats=tuple(QUANTIZED_FORMATS),
+                     max_tokens: int = 16) -> list[tuple[str, str]]:
+    """Each pre-quantized checkpoint format loaded on `device` (where a non-CPU backend dequantizes
+    it once at load): float32 greedy tokens against HF's model on the float twin the packer wrote,
+    the very weights its integers stand for, token for token: (row, result)."""
+    import tempfile
+
+    from nanoserve.quantization.pack import write_quantized_checkpoint
+
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    g = torch.Generator().manual_seed(3)
+    reqs = [torch.randint(3, 900, (n,), generator=g).tolist() for n in (1, 9, 70)]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    source = ensure_tiny_checkpoint("smoke-hf-qwen3", "qwen3")
+    rows = []
+    try:
+        for name in formats:
+            kind, options = QUANTIZED_FORMATS[name]
+            with tempfile.TemporaryDirectory() as tmp:
+                path, twin = os.path.join(tmp, name), os.path.join(tmp, "float")
+                write_quantized_checkpoint(source, path, kind, twin, **options)
+                reference = hf_greedy(twin, reqs, max_tokens, device)
+                for backend in backends:
+                    label = f"{name:<14} {backend:<10} fp32 vs HF on its float weights"
+                    try:
+                        with LLM(path, device=device, dtype="float32", attention_backend=backend,
+                                 kvcache_block_size=16, max_model_len=256) as llm:
+                            runs = [llm.generate(reqs, params, use_tqdm=False)]
+                            held = sum(block.ref_count > 0 for block in llm.engine.block_manager.pool.blocks)
+                    except Exception as e:  # a row per failure
+                        rows.append((label, f"ERROR {type(e).__name__}: {str(e).splitlines()[0][:120]}"))
+                        continue
+                    rows.append((label, verdict(runs, reference, held)))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
     return rows
 
 
@@ -285,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
             for case in (c for c in cases if c.model == model and c.dtype == dtype):
                 rows.append((case, run_case(case, path, reqs, params, settings, reference)))
                 print(f"{case}  {rows[-1][1]}", flush=True)
-    for label, status in hf_parity():
+    for label, status in hf_parity() + quantized_parity():
         rows.append((label, status))
         print(f"{label}  {status}", flush=True)
     print("\n| row | result |\n|---|---|")

@@ -335,6 +335,14 @@ def test_a_cpu_backend_subclass_on_cuda_is_a_clear_error():
         select_backend(torch.device("cuda"), torch.bfloat16, Instrumented, None, 64)
 
 
+def test_batch_invariant_on_cuda_is_a_clear_error():
+    """cuBLAS and the CUDA attention kernels pick tiles by batch size: a promise of bit-identical
+    rows is refused there, before any weight is read, instead of being silently broken (an H100
+    run showed n > max_num_seqs waves differing from one large batch in the last bits)."""
+    with pytest.raises(ValueError, match="batch_invariant=True runs on the CPU backend only"):
+        select_backend(torch.device("cuda"), torch.bfloat16, "auto", None, 128, batch_invariant=True)
+
+
 def test_the_smoke_compares_every_architecture_with_hf_and_catches_a_wrong_kernel():
     """hf_parity runs on any device: here on the CPU, where every architecture matches HF exactly,
     and a backend whose attention is slightly off (softmax scale x 1.05) is reported, not passed."""
@@ -353,3 +361,22 @@ def test_the_smoke_compares_every_architecture_with_hf_and_catches_a_wrong_kerne
 
     ((label, result),) = smoke.hf_parity(device="cpu", backends=(OffScale,), graphs=(False,), archs=("llama",))
     assert "OffScale" in label and result.startswith("MISMATCH") and "HF top-2 gap" in result
+
+
+def test_the_smoke_runs_every_quantized_format_against_hf_and_catches_a_lost_permutation(monkeypatch):
+    """quantized_parity runs on any device: on the CPU's torch backend (dequantized at load, as on
+    CUDA) every format equals HF on its float twin; a decoder that drops act-order's input
+    permutation is reported, not passed. (On an H100 this row found act-order GPTQ failing to load:
+    its fused-layer permutation check compared a CPU tensor with a CUDA one.)"""
+    from nanoserve import smoke
+    from nanoserve.quantization.weight import QuantizedWeight
+
+    rows = smoke.quantized_parity(device="cpu", backends=("torch",))
+    assert len(rows) == len(smoke.QUANTIZED_FORMATS) and all(r.startswith("ok:") for _, r in rows), rows
+
+    def unpermuted(self):
+        return self.qweight.float() * self.scales.repeat_interleave(self.group_size, dim=1)[:, :self.qweight.shape[1]]
+
+    monkeypatch.setattr(QuantizedWeight, "dequantize", unpermuted)
+    ((label, result),) = smoke.quantized_parity(device="cpu", backends=("torch",), formats=("gptq-act-order",))
+    assert "gptq-act-order" in label and result.startswith("MISMATCH"), result

@@ -29,13 +29,17 @@ def select_backend(
     batch_invariant: bool = False, quantization: str | None = None, prefill_only: bool = False,
 ) -> Backend:
     """The backend for this device: `requested` if it can run here, else a clear ValueError.
-    batch_invariant: only kernels whose per-row results do not depend on the batch (CPU).
+    batch_invariant: only kernels whose per-row results do not depend on the batch (CPU only).
     quantization (Config.quantization) runs on the CPU backend only. prefill_only: an engine without
     decode steps (runner="pooling"), whose GEMMs all see hundreds of rows (CPU)."""
     if quantization is not None and (device.type != "cpu" or requested not in ("auto", "cpu")):
         raise ValueError(f"quantization={quantization!r} runs on the CPU backend only (device='cpu', "
                          f"attention_backend 'auto' or 'cpu'); got device {device.type}, "
                          f"attention_backend {requested!r}")
+    if batch_invariant and device.type != "cpu":
+        raise ValueError(f"batch_invariant=True runs on the CPU backend only (device='cpu'): on {device.type}, "
+                         "the GEMM and attention kernels choose their tiles by batch size, so a row's bits "
+                         "depend on what shares its step")
     if isinstance(requested, type):
         if not issubclass(requested, Backend):
             raise TypeError(f"attention_backend must be a name or a Backend subclass, got {requested!r}")

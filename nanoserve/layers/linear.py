@@ -104,7 +104,7 @@ class LinearBase(nn.Module):
         """The act-order permutation of the inputs: one for the whole layer, so the parts of a fused
         layer (q/k/v, gate/up: quantized on the same inputs) must agree."""
         loaded = shard_of(loaded, param.shape, 0, 0, param.shape[0])
-        if shard_id is not None and param.loaded_shards and not torch.equal(param.data, loaded):
+        if shard_id is not None and param.loaded_shards and not torch.equal(param.data, loaded.to(param.device)):
             raise ValueError("the parts of this fused layer have different act-order input orders (g_idx); "
                              "nanoserve runs one order per fused layer")
         param.data.copy_(loaded)
