@@ -81,10 +81,12 @@ class HFPeer:
         if not any(isinstance(f, _DropPsutilNotices) for f in cb_logger.filters):
             cb_logger.addFilter(_DropPsutilNotices())
         s = self.settings
-        page = s.block_size or ContinuousBatchingConfig().page_size
+        # transformers 5.17 names the KV page `block_size`, 5.24 `page_size`
+        page_field = "page_size" if hasattr(ContinuousBatchingConfig(), "page_size") else "block_size"
+        page = s.block_size or getattr(ContinuousBatchingConfig(), page_field)
         longest = max(len(r.prompt) + r.max_tokens for r in requests)
         cb_config = ContinuousBatchingConfig(
-            page_size=page,
+            **{page_field: page},
             # Sized to the workload: left alone, HF sizes its cache from free memory (slow on CPU).
             num_blocks=-(-longest // page) * len(requests) + 1,
             # 512 was HF's fastest token budget on 2 CPU cores (256: same, 2048: 14% slower).
