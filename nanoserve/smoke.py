@@ -22,7 +22,9 @@ throughput run on a random Qwen3-0.6B. Without a GPU it says so and exits 0 (`--
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -202,10 +204,17 @@ def hf_parity(device: str = "cuda", backends=("torch", "triton"), graphs=(False,
     """float32 greedy tokens of every architecture against HF's model on the same device (TF32 off),
     token for token (a reference top-2 gap under FP32_NEAR_TIE forgives a divergence), each batch
     twice so the second run hits the prefix cache, every KV block free afterwards: (row, result)."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # the caller's back after
-    try:
+    with tf32_off():
         return _hf_parity_rows(device, backends, graphs, archs, max_tokens)
+
+
+@contextlib.contextmanager
+def tf32_off():
+    """float32 matmuls in float32 (HF and the engine alike), the caller's settings back after."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
@@ -264,38 +273,36 @@ def quantized_parity(device: str = "cuda", backends=("triton",), formats=tuple(Q
     """Each pre-quantized checkpoint format loaded on `device` (where a non-CPU backend dequantizes
     it once at load): float32 greedy tokens against HF's model on the float twin the packer wrote,
     the very weights its integers stand for, token for token: (row, result)."""
-    import tempfile
-
-    from nanoserve.quantization.pack import write_quantized_checkpoint
-
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
     g = torch.Generator().manual_seed(3)
     reqs = [torch.randint(3, 900, (n,), generator=g).tolist() for n in (1, 9, 70)]
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
     source = ensure_tiny_checkpoint("smoke-hf-qwen3", "qwen3")
     rows = []
-    try:
+    with tf32_off():
         for name in formats:
-            kind, options = QUANTIZED_FORMATS[name]
-            with tempfile.TemporaryDirectory() as tmp:
-                path, twin = os.path.join(tmp, name), os.path.join(tmp, "float")
-                write_quantized_checkpoint(source, path, kind, twin, **options)
-                reference = hf_greedy(twin, reqs, max_tokens, device)
-                for backend in backends:
-                    label = f"{name:<14} {backend:<10} fp32 vs HF on its float weights"
-                    try:
-                        with LLM(path, device=device, dtype="float32", attention_backend=backend,
-                                 kvcache_block_size=16, max_model_len=256) as llm:
-                            runs = [llm.generate(reqs, params, use_tqdm=False)]
-                            held = sum(block.ref_count > 0 for block in llm.engine.block_manager.pool.blocks)
-                    except Exception as e:  # a row per failure
-                        rows.append((label, f"ERROR {type(e).__name__}: {str(e).splitlines()[0][:120]}"))
-                        continue
-                    rows.append((label, verdict(runs, reference, held)))
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = saved
+            for backend in backends:
+                label = f"{name:<14} {getattr(backend, '__name__', backend):<10} fp32 vs HF on its float weights"
+                try:
+                    result = _quantized_row(name, source, reqs, backend, device, max_tokens)
+                except Exception as e:  # a row per failure
+                    result = f"ERROR {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                rows.append((label, result))
     return rows
+
+
+def _quantized_row(name: str, source: str, reqs, backend, device: str, max_tokens: int) -> str:
+    from nanoserve.quantization.pack import write_quantized_checkpoint
+
+    kind, options = QUANTIZED_FORMATS[name]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        path, twin = os.path.join(tmp, name), os.path.join(tmp, "float")
+        write_quantized_checkpoint(source, path, kind, twin, **options)
+        reference = hf_greedy(twin, reqs, max_tokens, device)
+        with LLM(path, device=device, dtype="float32", attention_backend=backend, kvcache_block_size=16,
+                 max_model_len=256) as llm:
+            runs = [llm.generate(reqs, params, use_tqdm=False)]
+            held = sum(block.ref_count > 0 for block in llm.engine.block_manager.pool.blocks)
+    return verdict(runs, reference, held)
 
 
 def throughput(num_requests: int) -> str:
@@ -342,9 +349,10 @@ def main(argv: list[str] | None = None) -> int:
             for case in (c for c in cases if c.model == model and c.dtype == dtype):
                 rows.append((case, run_case(case, path, reqs, params, settings, reference)))
                 print(f"{case}  {rows[-1][1]}", flush=True)
-    for label, status in hf_parity() + quantized_parity():
-        rows.append((label, status))
-        print(f"{label}  {status}", flush=True)
+    for parity in (hf_parity, quantized_parity):  # hf_parity's rows printed before the next one runs
+        for label, status in parity():
+            rows.append((label, status))
+            print(f"{label}  {status}", flush=True)
     print("\n| row | result |\n|---|---|")
     for case, status in rows:
         print(f"| {case} | {status} |")

@@ -6,6 +6,7 @@ import math
 import os
 import random
 
+import pytest
 import torch
 
 from nanoserve import LLM
@@ -17,6 +18,8 @@ from nanoserve.sampling.sampler import Sampler
 # Two shapes unlike each other: tied embeddings with GQA 2, and untied with GQA 4 and a
 # head_dim that is not a power of two.
 TEST_DEVICE = os.environ.get("NANOSERVE_TEST_DEVICE", "cpu")  # see make_llm
+# batch_invariant=True is refused off the CPU backend (nanoserve.backends.select_backend)
+needs_batch_invariance = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="batch_invariant=True runs on the CPU only")
 
 MODEL_CONFIGS = {
     "tied-gqa2": dict(seed=0),

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import make_llm, random_prompts
+from helpers import make_llm, needs_batch_invariance, random_prompts
 from nanoserve import SamplingParams
+
+pytestmark = needs_batch_invariance  # the CPU backend's kernels are the invariant ones
 
 TARGET = random_prompts(1, 45, 45, seed=21)[0]
 OTHERS = random_prompts(10, 3, 70, seed=22)

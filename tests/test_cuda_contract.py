@@ -341,6 +341,18 @@ def test_batch_invariant_on_cuda_is_a_clear_error():
     run showed n > max_num_seqs waves differing from one large batch in the last bits)."""
     with pytest.raises(ValueError, match="batch_invariant=True runs on the CPU backend only"):
         select_backend(torch.device("cuda"), torch.bfloat16, "auto", None, 128, batch_invariant=True)
+    with pytest.raises(ValueError, match="got device cpu, attention_backend 'torch'"):  # SDPA and F.linear
+        select_backend(torch.device("cpu"), torch.float32, "torch", None, 64, batch_invariant=True)
+    assert select_backend(torch.device("cpu"), torch.float32, "cpu", None, 64, batch_invariant=True).options.batch_invariant
+
+
+def test_vllm_batch_invariant_env_on_cuda_is_a_warning(monkeypatch, caplog, cuda_device_for_selection):
+    """vLLM users may export VLLM_BATCH_INVARIANT=1 everywhere: on CUDA it is named, not fatal."""
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    with caplog.at_level(logging.WARNING, logger="nanoserve.backends"):
+        select_backend(cuda_device_for_selection, torch.bfloat16, "auto", None, 128)
+    assert "VLLM_BATCH_INVARIANT=1 is honoured on the CPU backend only" in caplog.text
 
 
 def test_the_smoke_compares_every_architecture_with_hf_and_catches_a_wrong_kernel():

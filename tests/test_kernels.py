@@ -306,7 +306,9 @@ INTERPRETER_UNUSABLE = "interpreter unusable"
 def _interpreter_unusable() -> str | None:
     """Why this triton's interpreter cannot run kernels that loop to a loaded bound, or None.
     Triton 3.6's interpreter turns a scalar into an index with int() of a 1-element array, which
-    numpy >= 2.4 refuses (later tritons squeeze it first); the compiled kernels are unaffected."""
+    numpy >= 2.4 refuses (later tritons squeeze it first); the compiled kernels are unaffected.
+    Any other failure of the probe is raised: the child then fails the run instead of skipping it."""
+    import numpy
     import triton
     import triton.language as tl
 
@@ -321,11 +323,16 @@ def _interpreter_unusable() -> str | None:
     try:
         count_to[(1,)](torch.tensor([3], dtype=torch.int32), out)
     except Exception as e:  # the interpreter wraps numpy's TypeError in its own error type
-        import numpy
-
+        cause = e
+        while cause is not None and not (isinstance(cause, TypeError) and "0-dimensional arrays" in str(cause)):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
         return (f"triton {triton.__version__}'s interpreter cannot loop to a loaded bound with numpy "
-                f"{numpy.__version__} ({type(e).__name__}: {e}); a newer triton's can")
-    return None if out.item() == 3 else f"the interpreter counted to {out.item()}, not 3"
+                f"{numpy.__version__} ({cause}); a newer triton's can")
+    if out.item() != 3:
+        raise AssertionError(f"the interpreter's probe loop counted to {out.item()}, not 3")
+    return None
 
 
 def _run_triton_cases(names: list[str]) -> dict:

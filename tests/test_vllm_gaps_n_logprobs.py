@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import assert_no_leak, make_llm, random_prompts
+from helpers import assert_no_leak, make_llm, needs_batch_invariance, random_prompts
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.scheduler import Scheduler
@@ -108,6 +108,7 @@ def _waves_and_reference(tiny_model, params: SamplingParams, caching: bool, pool
     return got, want
 
 
+@needs_batch_invariance
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "seeded"])
 def test_n_above_max_num_seqs_is_bit_identical_to_a_large_batch(tiny_model, temperature):
     """With the prefix cache (the default), a sample of a later wave hits the prompt blocks a fork
@@ -120,6 +121,7 @@ def test_n_above_max_num_seqs_is_bit_identical_to_a_large_batch(tiny_model, temp
         assert len({tuple(c.token_ids) for c in got[0].outputs}) > 1
 
 
+@needs_batch_invariance
 @pytest.mark.parametrize("caching, pool", [(False, {}), (True, PREEMPTING_POOL), (False, PREEMPTING_POOL)],
                          ids=["no-cache", "preempting", "no-cache-preempting"])
 def test_n_above_max_num_seqs_under_preemption_and_without_prefix_cache(tiny_model, caching, pool):
@@ -129,8 +131,7 @@ def test_n_above_max_num_seqs_under_preemption_and_without_prefix_cache(tiny_mod
     got, want = _waves_and_reference(tiny_model, params, caching, pool)
     for g, w in zip(got, want, strict=True):
         _assert_close_numbers(g, w)
-
-
+@needs_batch_invariance
 def test_n_above_max_num_seqs_through_generate_and_stream(tiny_model):
     prompts = [{"prompt_token_ids": p} for p in random_prompts(2, 8, 20, seed=22)]
     params = SamplingParams(n=5, temperature=0.9, seed=3, max_tokens=6, ignore_eos=True)
@@ -142,8 +143,7 @@ def test_n_above_max_num_seqs_through_generate_and_stream(tiny_model):
         assert [c.token_ids for c in got[i].outputs] == [c.token_ids for c in w.outputs]
         assert [c.token_ids for c in streamed[i].outputs] == [c.token_ids for c in w.outputs]
     assert_no_leak(llm)
-
-
+@needs_batch_invariance
 def test_n_above_max_num_seqs_in_a_run_batch_line(tiny_model):
     """A completions line with two prompts and n=4 on max_num_seqs=2: 8 choices, prompt i's at
     i * n ... i * n + n - 1 (vLLM's order), each the sample generate() gives."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 import torch
 
@@ -36,10 +37,11 @@ def select_backend(
         raise ValueError(f"quantization={quantization!r} runs on the CPU backend only (device='cpu', "
                          f"attention_backend 'auto' or 'cpu'); got device {device.type}, "
                          f"attention_backend {requested!r}")
-    if batch_invariant and device.type != "cpu":
-        raise ValueError(f"batch_invariant=True runs on the CPU backend only (device='cpu'): on {device.type}, "
-                         "the GEMM and attention kernels choose their tiles by batch size, so a row's bits "
-                         "depend on what shares its step")
+    if batch_invariant and (device.type != "cpu" or requested not in ("auto", "cpu")):
+        # Only the CPU backend's own kernels give a row the same bits whatever shares its step;
+        # cuBLAS, the CUDA attention kernels and the torch reference pick tiles by batch size.
+        raise ValueError(f"batch_invariant=True runs on the CPU backend only (device='cpu', attention_backend "
+                         f"'auto' or 'cpu'); got device {device.type}, attention_backend {requested!r}")
     if isinstance(requested, type):
         if not issubclass(requested, Backend):
             raise TypeError(f"attention_backend must be a name or a Backend subclass, got {requested!r}")
@@ -96,6 +98,9 @@ def _select_cuda(
 ) -> Backend:
     if requested == "cpu":
         raise ValueError("attention_backend='cpu' runs on CPU only; on CUDA: 'flash_attn', 'triton' or 'torch'")
+    if os.environ.get("VLLM_BATCH_INVARIANT", "0") == "1":  # a warning: vLLM users may export it everywhere
+        logger.warning("VLLM_BATCH_INVARIANT=1 is honoured on the CPU backend only: on CUDA a request's bits "
+                       "may depend on what shares its steps")
     if requested == "torch":
         from nanoserve.backends.triton import CUDATorchBackend
 

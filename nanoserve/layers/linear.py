@@ -103,8 +103,8 @@ class LinearBase(nn.Module):
     def _perm_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         """The act-order permutation of the inputs: one for the whole layer, so the parts of a fused
         layer (q/k/v, gate/up: quantized on the same inputs) must agree."""
-        loaded = shard_of(loaded, param.shape, 0, 0, param.shape[0])
-        if shard_id is not None and param.loaded_shards and not torch.equal(param.data, loaded.to(param.device)):
+        loaded = shard_of(loaded, param.shape, 0, 0, param.shape[0]).to(param.device)  # the file's is on the CPU
+        if shard_id is not None and param.loaded_shards and not torch.equal(param.data, loaded):
             raise ValueError("the parts of this fused layer have different act-order input orders (g_idx); "
                              "nanoserve runs one order per fused layer")
         param.data.copy_(loaded)

@@ -82,8 +82,9 @@ class HFPeer:
             cb_logger.addFilter(_DropPsutilNotices())
         s = self.settings
         # transformers 5.17 names the KV page `block_size`, 5.24 `page_size`
-        page_field = "page_size" if hasattr(ContinuousBatchingConfig(), "page_size") else "block_size"
-        page = s.block_size or getattr(ContinuousBatchingConfig(), page_field)
+        defaults = ContinuousBatchingConfig()
+        page_field = "page_size" if hasattr(defaults, "page_size") else "block_size"
+        page = s.block_size or getattr(defaults, page_field)
         longest = max(len(r.prompt) + r.max_tokens for r in requests)
         cb_config = ContinuousBatchingConfig(
             **{page_field: page},
