@@ -868,26 +868,34 @@ void quantize_blocks_int8(const float *x, int64_t M, int64_t K, int64_t Kp, int6
                           xg + m * G, on + m, ok + m * E, ov + m * E);
 }
 
-/* A panel's group scales and offsets sit one row of [groups][Np] apart (Np * 4 bytes: 16-24 KiB for
-   Qwen3-0.6B), a stride no hardware prefetcher follows: streaming a one-row GEMM from memory, each
-   group's first block waited on DRAM for them (int4 at 1 row ran at ~26 of ~50 GB/s). Requested
-   for this panel and the next when a tile starts. */
-static inline void prefetch_group_scales(const float *scales, const float *offsets, int64_t G, int64_t Np,
+/* Group g's scales and offsets for the panel at column n0 are at g * gstride + n0. The int8 and
+   W4A16 layouts are [groups][Np] (gstride = Np); W4A8's are panel-major [panels][groups][16], which
+   its drivers pass as gstride = 16 with the bases moved by n0 * (groups - 1) (W4A8_GROUPS). In
+   [groups][Np] a panel's
+   group scales sit Np * 4 bytes apart (16-24 KiB for Qwen3-0.6B), a stride no hardware prefetcher
+   follows: streaming a one-row GEMM from memory, each group's first block waited on DRAM for them,
+   so they are requested for this panel and the next when a tile starts. Panel-major, they are one
+   sequential stream beside the weights' (int4 at 1-4 rows from DRAM 1.11-1.24x faster than
+   [groups][Np] with these prefetches, Zen 5). */
+static inline void prefetch_group_scales(const float *scales, const float *offsets, int64_t G, int64_t gstride,
                                          int64_t n0) {
     for (int64_t g = 0; g < G; g++) {
-        __builtin_prefetch(scales + g * Np + n0, 0, 3), __builtin_prefetch(offsets + g * Np + n0, 0, 3);
-        if (n0 + I8_PANEL < Np)
-            __builtin_prefetch(scales + g * Np + n0 + I8_PANEL, 0, 3),
-                __builtin_prefetch(offsets + g * Np + n0 + I8_PANEL, 0, 3);
+        __builtin_prefetch(scales + g * gstride + n0, 0, 3), __builtin_prefetch(offsets + g * gstride + n0, 0, 3);
+        if (gstride > I8_PANEL && n0 + I8_PANEL < gstride)  /* [groups][Np]: the next panel's too */
+            __builtin_prefetch(scales + g * gstride + n0 + I8_PANEL, 0, 3),
+                __builtin_prefetch(offsets + g * gstride + n0 + I8_PANEL, 0, 3);
     }
 }
+
+/* W4A8's panel-major scales and offsets as the tiles address them (see prefetch_group_scales) */
+#define W4A8_GROUPS(scales, offsets, G) (scales) + n0 * ((G) - 1), (offsets) + n0 * ((G) - 1), (int64_t)I8_PANEL
 
 #if defined(__AVX2__) && defined(__FMA__)
 static inline __attribute__((always_inline)) void w4a8_tile(const int mb, const int8_t *xq, const float *xs,
                                                              const float *xg, const int32_t *on, const int32_t *ok,
                                                              const float *ov, int64_t m0, int64_t Kp, int64_t G,
                                                              int64_t run, const int8_t *panel_bytes_,
-                                                             const float *scales, const float *offsets, int64_t Np,
+                                                             const float *scales, const float *offsets, int64_t gstride,
                                                              int64_t group, int64_t n0, int64_t nn, int64_t N,
                                                              const float *bias, float *y) {
     const uint8_t *panel = (const uint8_t *)panel_bytes_;
@@ -901,7 +909,7 @@ static inline __attribute__((always_inline)) void w4a8_tile(const int mb, const 
                                                                            a run's first block writes them */
     /* blocks per group: a division per block (idiv, ~40 cycles on Zen 1) cost as much as its math */
     const int64_t per_group = G == 1 ? B : group / W4_BLOCK;
-    if (G > 1) prefetch_group_scales(scales, offsets, G, Np, n0);
+    if (G > 1) prefetch_group_scales(scales, offsets, G, gstride, n0);
     for (int64_t b0 = 0, g = 0, left = per_group; b0 < B; b0 += run) {
         const int64_t b1 = b0 + run < B ? b0 + run : B;
         for (int64_t b = b0; b < b1; b++) {
@@ -942,7 +950,7 @@ static inline __attribute__((always_inline)) void w4a8_tile(const int mb, const 
         W4_SUM(0, a00, a01) W4_SUM(1, a10, a11) W4_SUM(2, a20, a21) W4_SUM(3, a30, a31)
 #undef W4_SUM
         }
-        const __m256 s0 = _mm256_loadu_ps(scales + g * Np + n0), s1 = _mm256_loadu_ps(scales + g * Np + n0 + 8);
+        const __m256 s0 = _mm256_loadu_ps(scales + g * gstride + n0), s1 = _mm256_loadu_ps(scales + g * gstride + n0 + 8);
 #define W4_FLUSH(r)                                                                                         \
     if (mb > r) {                                                                                         \
         const __m256 xsb = _mm256_set1_ps(xs[(m0 + r) * B + b1 - 1]); /* the run's scale */              \
@@ -969,8 +977,8 @@ static inline __attribute__((always_inline)) void w4a8_tile(const int mb, const 
 #define W4_ZP(zl, zh, gg)                                                                                   \
     {                                                                                                     \
         const __m256 xsum = _mm256_set1_ps(xr[gg]);                                                       \
-        zl = _mm256_fmadd_ps(xsum, _mm256_loadu_ps(off + (gg) * Np), zl);                                 \
-        zh = _mm256_fmadd_ps(xsum, _mm256_loadu_ps(off + (gg) * Np + 8), zh);                             \
+        zl = _mm256_fmadd_ps(xsum, _mm256_loadu_ps(off + (gg) * gstride), zl);                                 \
+        zh = _mm256_fmadd_ps(xsum, _mm256_loadu_ps(off + (gg) * gstride + 8), zh);                             \
     }
         int64_t g = 0;
         for (; g + 4 <= G; g += 4) {
@@ -1006,11 +1014,11 @@ static inline __attribute__((always_inline)) void w4a8_tile(const int mb, const 
                 vlo = _mm256_fmadd_ps(v, _mm256_cvtepi32_ps(qlo), vlo), vhi = _mm256_fmadd_ps(v, _mm256_cvtepi32_ps(qhi), vhi);
                 vsum += vs[i];
             }
-            lo = _mm256_fmadd_ps(_mm256_loadu_ps(scales + g * Np + n0), vlo, lo);
-            hi = _mm256_fmadd_ps(_mm256_loadu_ps(scales + g * Np + n0 + 8), vhi, hi);
+            lo = _mm256_fmadd_ps(_mm256_loadu_ps(scales + g * gstride + n0), vlo, lo);
+            hi = _mm256_fmadd_ps(_mm256_loadu_ps(scales + g * gstride + n0 + 8), vhi, hi);
             const __m256 v = _mm256_set1_ps(vsum);
-            lo = _mm256_fmadd_ps(v, _mm256_loadu_ps(offsets + g * Np + n0), lo);
-            hi = _mm256_fmadd_ps(v, _mm256_loadu_ps(offsets + g * Np + n0 + 8), hi);
+            lo = _mm256_fmadd_ps(v, _mm256_loadu_ps(offsets + g * gstride + n0), lo);
+            hi = _mm256_fmadd_ps(v, _mm256_loadu_ps(offsets + g * gstride + n0 + 8), hi);
         }
         _mm256_storeu_ps(tile[r], lo), _mm256_storeu_ps(tile[r] + 8, hi);
     }
@@ -1045,7 +1053,7 @@ static inline __attribute__((always_inline)) void w4a8_tile(const int mb, const 
    counting, not by a division per outlier. */
 static inline __m512 vnni_row_outliers(__m512 acc, const int bits, int64_t m, const int32_t *on, const int32_t *ok,
                                        const float *ov, int64_t E, const float *xg, int64_t G, const uint8_t *panel,
-                                       const float *scales, const float *offsets, int64_t Np, int64_t group,
+                                       const float *scales, const float *offsets, int64_t gstride, int64_t group,
                                        int64_t n0, const int per_channel) {
     /* byte c of every 32-bit lane, zero-extended: vpshufb indices per 128-bit lane */
     const __m512i pick0 = _mm512_set4_epi32((int)0x8080800C, (int)0x80808008, (int)0x80808004, (int)0x80808000);
@@ -1065,11 +1073,11 @@ static inline __m512 vnni_row_outliers(__m512 acc, const int bits, int64_t m, co
                 vu = _mm512_fmadd_ps(_mm512_set1_ps(vs[i]), _mm512_cvtepi32_ps(u), vu);
                 vsum += vs[i];
             }
-            acc = _mm512_fmadd_ps(_mm512_loadu_ps(scales + g * Np + n0), vu, acc);
-            if (!per_channel) acc = _mm512_fmadd_ps(_mm512_set1_ps(vsum), _mm512_loadu_ps(offsets + g * Np + n0), acc);
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(scales + g * gstride + n0), vu, acc);
+            if (!per_channel) acc = _mm512_fmadd_ps(_mm512_set1_ps(vsum), _mm512_loadu_ps(offsets + g * gstride + n0), acc);
         }
         if (per_channel)
-            acc = _mm512_fmadd_ps(_mm512_set1_ps(xg[m * G + g] + vsum), _mm512_loadu_ps(offsets + g * Np + n0), acc);
+            acc = _mm512_fmadd_ps(_mm512_set1_ps(xg[m * G + g] + vsum), _mm512_loadu_ps(offsets + g * gstride + n0), acc);
     }
     return acc;
 }
@@ -1154,7 +1162,7 @@ static int quantize_tiles_int8(const void *x, int x_bf16, int64_t M, int64_t K, 
 static inline __attribute__((always_inline)) void vnni_asm_tile(const int bits, const int half, const uint8_t *w,
                                                                  const int8_t *xb, const float *xst, int64_t B,
                                                                  int64_t run, int64_t per_group, const float *gscale,
-                                                                 int64_t Np, float facc[VNNI_ROWS][I8_PANEL]) {
+                                                                 int64_t gstride, float facc[VNNI_ROWS][I8_PANEL]) {
     const __m512i nibble = _mm512_set1_epi8(0x0F);
     for (int r = 0; r < VNNI_ROWS; r++) _mm512_store_ps(facc[r], _mm512_setzero_ps());
     for (int64_t b0 = 0, g = 0, left = per_group; b0 < B; b0 += run) {
@@ -1195,7 +1203,7 @@ static inline __attribute__((always_inline)) void vnni_asm_tile(const int bits, 
     VNNI_FLUSH(10, x_scale(10)) VNNI_FLUSH(11, x_scale(11)) VNNI_FLUSH(12, x_scale(12)) VNNI_FLUSH(13, x_scale(13)) \
     VNNI_FLUSH(14, x_scale(14)) VNNI_FLUSH(15, x_scale(15)) }
         if (gscale) {
-            const __m512 s = _mm512_loadu_ps(gscale + g * Np);
+            const __m512 s = _mm512_loadu_ps(gscale + g * gstride);
 #define ROW_TIMES_GROUP(r) _mm512_mul_ps(s, _mm512_set1_ps(xsb[r]))
             VNNI_FLUSH16(ROW_TIMES_GROUP)
 #undef ROW_TIMES_GROUP
@@ -1214,9 +1222,9 @@ static inline __attribute__((always_inline)) void vnni_asm_tile(const int bits, 
    branch on them, and the accumulators' registers are allocated for that loop alone */
 #define VNNI_ASM_TILE(name, bits, half)                                                                      \
     static __attribute__((noinline)) void name(const uint8_t *w, const int8_t *xb, const float *xst, int64_t B, \
-                                               int64_t run, int64_t per_group, const float *gscale, int64_t Np,   \
+                                               int64_t run, int64_t per_group, const float *gscale, int64_t gstride,   \
                                                float facc[VNNI_ROWS][I8_PANEL]) {                                 \
-        vnni_asm_tile(bits, half, w, xb, xst, B, run, per_group, gscale, Np, facc);                               \
+        vnni_asm_tile(bits, half, w, xb, xst, B, run, per_group, gscale, gstride, facc);                               \
     }
 VNNI_ASM_TILE(vnni_tile16_w8, 8, 0)
 VNNI_ASM_TILE(vnni_tile8_w8, 8, 1)
@@ -1239,7 +1247,7 @@ VNNI_ASM_TILE(vnni_tile8_w4, 4, 1)
     }
 static __attribute__((noinline)) void vnni_pair_tile_w8(const uint8_t *w0, const uint8_t *w1, const int8_t *xb,
                                                         const float *xst, int64_t B, int64_t run, int64_t per_group,
-                                                        const float *gscale0, const float *gscale1, int64_t Np,
+                                                        const float *gscale0, const float *gscale1, int64_t gstride,
                                                         float facc0[VNNI_ROWS][I8_PANEL],
                                                         float facc1[VNNI_ROWS][I8_PANEL]) {
     for (int64_t b0 = 0, g = 0, left = per_group; b0 < B; b0 += run) {
@@ -1257,8 +1265,8 @@ static __attribute__((noinline)) void vnni_pair_tile_w8(const uint8_t *w0, const
             }
         }
         const float *xsb = xst + (b1 - 1) * VNNI_ROWS;  /* the run's activation scale of each row */
-        const __m512 s0 = gscale0 ? _mm512_loadu_ps(gscale0 + g * Np) : _mm512_set1_ps(1.0f);
-        const __m512 s1 = gscale1 ? _mm512_loadu_ps(gscale1 + g * Np) : _mm512_set1_ps(1.0f);
+        const __m512 s0 = gscale0 ? _mm512_loadu_ps(gscale0 + g * gstride) : _mm512_set1_ps(1.0f);
+        const __m512 s1 = gscale1 ? _mm512_loadu_ps(gscale1 + g * gstride) : _mm512_set1_ps(1.0f);
 #define VNNI_PAIR_FLUSH(r, r2)                                                                    \
     {                                                                                             \
         const __m512 xs = _mm512_set1_ps(xsb[r]);                                                 \
@@ -1288,7 +1296,7 @@ static __attribute__((noinline)) void vnni_pair_tile_w8(const uint8_t *w0, const
 static inline void vnni_finish_rows(const int mb, const int bits, float facc[VNNI_ROWS][I8_PANEL], int64_t m0,
                                     const int32_t *on, const int32_t *ok, const float *ov, int64_t E, const float *xg,
                                     int64_t G, const uint8_t *panel, const float *scales, const float *offsets,
-                                    int64_t Np, int64_t group, int64_t n0, int64_t nn, int64_t N, const float *bias,
+                                    int64_t gstride, int64_t group, int64_t n0, int64_t nn, int64_t N, const float *bias,
                                     void *y, const int y_bf16) {
     const int per_channel = bits == 8 && G == 1;
     const __mmask16 mask = (__mmask16)((1u << nn) - 1);
@@ -1322,7 +1330,7 @@ static inline void vnni_finish_rows(const int mb, const int bits, float facc[VNN
         __m512 c0 = a0, c1 = a0, c2 = a0, c3 = a0, d0 = a0, d1 = a0, d2 = a0, d3 = a0;
 #define ZP_GROUP4(j, gg)                                                                         \
     {                                                                                            \
-        const __m512 o = _mm512_loadu_ps(off + (gg) * Np);                                       \
+        const __m512 o = _mm512_loadu_ps(off + (gg) * gstride);                                       \
         ZP_FMA(a##j, x0, gg, o) ZP_FMA(b##j, x1, gg, o) ZP_FMA(c##j, x2, gg, o) ZP_FMA(d##j, x3, gg, o) \
     }
         ZP_GROUPS(ZP_GROUP4)
@@ -1332,7 +1340,7 @@ static inline void vnni_finish_rows(const int mb, const int bits, float facc[VNN
     for (; r0 < mb && !per_channel; r0++) {
         const float *x0 = xg + (m0 + r0) * G;
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-#define ZP_GROUP1(j, gg) ZP_FMA(a##j, x0, gg, _mm512_loadu_ps(off + (gg) * Np))
+#define ZP_GROUP1(j, gg) ZP_FMA(a##j, x0, gg, _mm512_loadu_ps(off + (gg) * gstride))
         ZP_GROUPS(ZP_GROUP1)
 #undef ZP_GROUP1
         ZP_ADD(r0, a)
@@ -1346,7 +1354,7 @@ static inline void vnni_finish_rows(const int mb, const int bits, float facc[VNN
         /* per channel without outliers (most rows): the zero-point term's one operation */
         __m512 acc = f;
         if (on[m0 + r] > 0)
-            acc = vnni_row_outliers(f, bits, m0 + r, on, ok, ov, E, xg, G, panel, scales, offsets, Np, group, n0,
+            acc = vnni_row_outliers(f, bits, m0 + r, on, ok, ov, E, xg, G, panel, scales, offsets, gstride, group, n0,
                                     per_channel);
         else if (per_channel)
             acc = _mm512_fmadd_ps(_mm512_set1_ps(xg[m0 + r]), column_offset, f);
@@ -1366,7 +1374,7 @@ static inline __attribute__((always_inline)) void vnni_tile(const int mb, const 
                                                              const int32_t *ok, const float *ov, int64_t m0,
                                                              int64_t Kp, int64_t G, int64_t run,
                                                              const int8_t *panel_bytes_, const float *scales,
-                                                             const float *offsets, int64_t Np, int64_t group,
+                                                             const float *offsets, int64_t gstride, int64_t group,
                                                              int64_t n0, int64_t nn, int64_t N, const float *bias,
                                                              void *y, const int y_bf16) {
     const uint8_t *panel = (const uint8_t *)panel_bytes_;
@@ -1375,7 +1383,7 @@ static inline __attribute__((always_inline)) void vnni_tile(const int mb, const 
     const int8_t *xt = xq + (m0 / VNNI_ROWS) * B * VNNI_ROWS * W4_BLOCK;
     const float *xst = xs + (m0 / VNNI_ROWS) * B * VNNI_ROWS;
     const int64_t per_group = G == 1 ? B : group / W4_BLOCK;
-    if (G > 1) prefetch_group_scales(scales, offsets, G, Np, n0);
+    if (G > 1) prefetch_group_scales(scales, offsets, G, gstride, n0);
     /* int8 per channel: the sums scaled by the activations' run scales only, the column scale once */
     const int per_channel = bits == 8 && G == 1;
     /* the loop below runs 1-4 rows: two int32 chains a row (a8 .. a11 take the odd steps or the high
@@ -1390,7 +1398,7 @@ static inline __attribute__((always_inline)) void vnni_tile(const int mb, const 
     const int asm_tile = mb > 4;
     if (asm_tile)
         (bits == 8 ? (mb > 8 ? vnni_tile16_w8 : vnni_tile8_w8) : (mb > 8 ? vnni_tile16_w4 : vnni_tile8_w4))(
-            panel, xt, xst, B, run, per_group, per_channel ? NULL : scales + n0, Np, facc);
+            panel, xt, xst, B, run, per_group, per_channel ? NULL : scales + n0, gstride, facc);
     /* runs of `run` blocks (within one weight group), summed in int32, then scaled once */
     for (int64_t b0 = 0, g = 0, left = per_group; !asm_tile && b0 < B; b0 += run) {
         const int64_t b1 = b0 + run < B ? b0 + run : B;
@@ -1440,7 +1448,7 @@ static inline __attribute__((always_inline)) void vnni_tile(const int mb, const 
         a3 = _mm512_add_epi32(a3, a11);
         /* per channel one scale per column, applied once after the last block; else W4A8's
            operations in its order */
-        const __m512 s = per_channel ? _mm512_setzero_ps() : _mm512_loadu_ps(scales + g * Np + n0);
+        const __m512 s = per_channel ? _mm512_setzero_ps() : _mm512_loadu_ps(scales + g * gstride + n0);
 #define VNNI_FLUSH(r)                                                                             \
     if (mb > r) {                                                                                 \
         const __m512 x_scale = per_channel ? _mm512_set1_ps(xsb[r]) : _mm512_mul_ps(s, _mm512_set1_ps(xsb[r])); \
@@ -1451,7 +1459,7 @@ static inline __attribute__((always_inline)) void vnni_tile(const int mb, const 
         left -= b1 - b0;  /* runs never span two groups: the next run starts the next group here */
         if (left == 0) g++, left = per_group;
     }
-    vnni_finish_rows(mb, bits, facc, m0, on, ok, ov, E, xg, G, panel, scales, offsets, Np, group, n0, nn, N, bias, y,
+    vnni_finish_rows(mb, bits, facc, m0, on, ok, ov, E, xg, G, panel, scales, offsets, gstride, group, n0, nn, N, bias, y,
                      y_bf16);
 }
 
@@ -1487,7 +1495,7 @@ static inline __attribute__((always_inline)) void vnni_tile(const int mb, const 
 #define VNNI_PAIR_MIN_ROWS 32
 static void vnni_drive_pairs(const int8_t *xq, const float *xs, const float *xg, const int32_t *on, const int32_t *ok,
                              const float *ov, int64_t M, int64_t Kp, int64_t G, int64_t run, const int8_t *panels,
-                             int64_t panel_bytes, const float *scales, const float *offsets, int64_t Np, int64_t group,
+                             int64_t panel_bytes, const float *scales, const float *offsets, int64_t gstride, int64_t group,
                              int64_t N, const float *bias, void *y, const int y_bf16, int num_threads) {
     const int64_t B = Kp / W4_BLOCK, E = B * W4_MAX_OUTLIERS, num_panels = (N + I8_PANEL - 1) / I8_PANEL;
     const int64_t pairs = num_panels / 2, per_group = G == 1 ? B : group / W4_BLOCK;
@@ -1500,7 +1508,7 @@ static void vnni_drive_pairs(const int8_t *xq, const float *xs, const float *xg,
             const int8_t *panel = panels + p * panel_bytes;
             if (q == pairs) {  /* the odd last panel */
                 const int64_t nn = N - n0 < I8_PANEL ? N - n0 : I8_PANEL;
-                VNNI_ROW_TILES(vnni_tile_w8, xq, xs, xg, on, ok, ov, m0, Kp, G, run, panel, scales, offsets, Np, group,
+                VNNI_ROW_TILES(vnni_tile_w8, xq, xs, xg, on, ok, ov, m0, Kp, G, run, panel, scales, offsets, gstride, group,
                                n0, nn, N, bias, y, y_bf16);
                 continue;
             }
@@ -1514,11 +1522,11 @@ static void vnni_drive_pairs(const int8_t *xq, const float *xs, const float *xg,
                 vnni_pair_tile_w8((const uint8_t *)panel, (const uint8_t *)panel + panel_bytes,
                                   xq + tile * B * VNNI_ROWS * W4_BLOCK + half * W4_BLOCK,
                                   xs + tile * B * VNNI_ROWS + half, B, run, per_group,
-                                  per_channel ? NULL : scales + n0, per_channel ? NULL : scales + n1, Np, facc0, facc1);
-                vnni_finish_rows(mb, 8, facc0, m0, on, ok, ov, E, xg, G, (const uint8_t *)panel, scales, offsets, Np,
+                                  per_channel ? NULL : scales + n0, per_channel ? NULL : scales + n1, gstride, facc0, facc1);
+                vnni_finish_rows(mb, 8, facc0, m0, on, ok, ov, E, xg, G, (const uint8_t *)panel, scales, offsets, gstride,
                                  group, n0, I8_PANEL, N, bias, y, y_bf16);
                 vnni_finish_rows(mb, 8, facc1, m0, on, ok, ov, E, xg, G, (const uint8_t *)panel + panel_bytes, scales,
-                                 offsets, Np, group, n1, nn1, N, bias, y, y_bf16);
+                                 offsets, gstride, group, n1, nn1, N, bias, y, y_bf16);
             }
         }
     }
@@ -1564,8 +1572,8 @@ static int vnni_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const int8
         I8_DRIVE_TILES(VNNI_ROW_TILES, vnni_tile_w8, xt, xst, xg, on, ok, ov, m0, Kp, G, run, panel, scales, offsets, Np,
                        group, n0, nn, N, bias, y, y_bf16);
     else
-        I8_DRIVE_TILES(VNNI_ROW_TILES, vnni_tile_w4, xt, xst, xg, on, ok, ov, m0, Kp, G, run, panel, scales, offsets, Np,
-                       group, n0, nn, N, bias, y, y_bf16);
+        I8_DRIVE_TILES(VNNI_ROW_TILES, vnni_tile_w4, xt, xst, xg, on, ok, ov, m0, Kp, G, run, panel,
+                       W4A8_GROUPS(scales, offsets, G), group, n0, nn, N, bias, y, y_bf16);
     rc = 0;
 done:
     free(xg), free(ov), free(on), free(ok), free(xt), free(xst);
@@ -1586,14 +1594,14 @@ int int8_gemm_vnni(const void *x, int64_t M, int64_t K, const int8_t *panels, co
 
 /* y[M, N] = x[M, K] . ((q - z) * s)^T (+ bias), x and y float32: x quantized here by
    quantize_blocks_int8 (one call does both: at one row the quantization is a few microseconds, its
-   buffers from Python were ten times that), then the W4A8 panels; scales and offsets as for W4A16.
+   buffers from Python were ten times that), then the W4A8 panels; scales and offsets panel-major
+   (prefetch_group_scales).
    group: a multiple of 32, or >= K (one group). Returns 1 without AVX2/FMA, 2 if the quantized
    activations cannot be allocated. */
 static int int4_gemm_w4a8_f32(const float *x, int64_t M, int64_t K, const int8_t *panels, const float *scales,
                    const float *offsets, int64_t group, int64_t N, const float *bias, float *y, int num_threads) {
 #if defined(__AVX2__) && defined(__FMA__)
     const int64_t Kp = (K + W4_BLOCK - 1) / W4_BLOCK * W4_BLOCK, B = Kp / W4_BLOCK, E = B * W4_MAX_OUTLIERS;
-    const int64_t Np = (N + I8_PANEL - 1) / I8_PANEL * I8_PANEL;
     const int64_t G = (K + group - 1) / group, panel_bytes = Kp * (I8_PANEL / 2);
     int8_t *xq = malloc((size_t)(M * Kp));
     float *xs = malloc((size_t)(M * B) * sizeof(float)), *xg = malloc((size_t)(M * G) * sizeof(float));
@@ -1603,8 +1611,8 @@ static int int4_gemm_w4a8_f32(const float *x, int64_t M, int64_t K, const int8_t
     if (xq == NULL || xs == NULL || xg == NULL || ov == NULL || on == NULL || ok == NULL) goto done;
     const int64_t run = activation_run_blocks(group, K);
     quantize_blocks_int8(x, M, K, Kp, group, W4_OUTLIER, run, xq, xs, xg, on, ok, ov, num_threads);
-    I8_DRIVE_TILES(W4_ROW_TILES, w4a8_tile, xq, xs, xg, on, ok, ov, m0, Kp, G, run, panel, scales, offsets, Np, group,
-                   n0, nn, N, bias, y);
+    I8_DRIVE_TILES(W4_ROW_TILES, w4a8_tile, xq, xs, xg, on, ok, ov, m0, Kp, G, run, panel,
+                   W4A8_GROUPS(scales, offsets, G), group, n0, nn, N, bias, y);
     rc = 0;
 done:
     free(xq), free(xs), free(xg), free(ov), free(on), free(ok);

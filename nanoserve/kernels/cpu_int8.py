@@ -299,8 +299,9 @@ def int4_gemm_w4a8_torch(x: torch.Tensor, q: torch.Tensor, zeros: torch.Tensor, 
 class PackedInt4:
     """A 4-bit weight packed for one of the int4 kernels. W4A16: panels [ceil(N / 16), K, 8] uint8
     (byte j: column j low nibble, column j + 8 high). W4A8: panels [ceil(N / 16), Kp / 8, 2, 32] uint8
-    (Kp = K rounded up to 32; cpu_int8.c's W4A8 section says which nibble is which). Both: scales and
-    offsets (-z * s) [groups, ceil(N / 16) * 16] float32."""
+    (Kp = K rounded up to 32; cpu_int8.c's W4A8 section says which nibble is which). Scales and
+    offsets (-z * s), float32: W4A16 [groups, ceil(N / 16) * 16]; W4A8 panel-major [ceil(N / 16),
+    groups, 16]."""
     panels: torch.Tensor
     scales: torch.Tensor
     offsets: torch.Tensor
@@ -338,6 +339,8 @@ def pack_int4(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_
     o = torch.zeros_like(s)
     s[:, :n] = scales.float().T
     o[:, :n] = -(zeros.float() * scales.float()).T
+    if w4a8:  # panel-major [P, groups, 16]: a panel's group scales in one run of bytes (cpu_int8.c says why)
+        s, o = (t.view(-1, num_panels, PANEL).transpose(0, 1).contiguous() for t in (s, o))
     return PackedInt4(panels, s, o, n, k, group, w4a8)
 
 
