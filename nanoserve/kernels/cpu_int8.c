@@ -871,12 +871,11 @@ void quantize_blocks_int8(const float *x, int64_t M, int64_t K, int64_t Kp, int6
 /* Group g's scales and offsets for the panel at column n0 are at g * gstride + n0. The int8 and
    W4A16 layouts are [groups][Np] (gstride = Np); W4A8's are panel-major [panels][groups][16], which
    its drivers pass as gstride = 16 with the bases moved by n0 * (groups - 1) (W4A8_GROUPS). In
-   [groups][Np] a panel's
-   group scales sit Np * 4 bytes apart (16-24 KiB for Qwen3-0.6B), a stride no hardware prefetcher
-   follows: streaming a one-row GEMM from memory, each group's first block waited on DRAM for them,
-   so they are requested for this panel and the next when a tile starts. Panel-major, they are one
-   sequential stream beside the weights' (int4 at 1-4 rows from DRAM 1.11-1.24x faster than
-   [groups][Np] with these prefetches, Zen 5). */
+   [groups][Np] a panel's group scales sit Np * 4 bytes apart (16-24 KiB for Qwen3-0.6B), a stride
+   no hardware prefetcher follows: streaming a one-row GEMM from memory, each group's first block
+   waited on DRAM for them, so they are requested for this panel and the next when a tile starts.
+   Panel-major, they are one sequential stream beside the weights' (int4 at 1-4 rows from DRAM
+   1.17-1.24x faster than [groups][Np] with these prefetches, Zen 5, both tiles). */
 static inline void prefetch_group_scales(const float *scales, const float *offsets, int64_t G, int64_t gstride,
                                          int64_t n0) {
     for (int64_t g = 0; g < G; g++) {
@@ -887,7 +886,8 @@ static inline void prefetch_group_scales(const float *scales, const float *offse
     }
 }
 
-/* W4A8's panel-major scales and offsets as the tiles address them (see prefetch_group_scales) */
+/* W4A8's panel-major scales and offsets as the tiles address them (see prefetch_group_scales): three
+   arguments (scales, offsets, gstride) for the panel at the caller's n0 */
 #define W4A8_GROUPS(scales, offsets, G) (scales) + n0 * ((G) - 1), (offsets) + n0 * ((G) - 1), (int64_t)I8_PANEL
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -1543,7 +1543,8 @@ static int w4a8_vnni = VNNI;
 void set_w4a8_vnni(int on) { w4a8_vnni = on && VNNI; }
 
 /* y[M, N] = x[M, K] . ((u - z) * s)^T (+ bias) with `bits`-bit weights u in VNNI panels (4: the W4A8
-   layout; 8: [ceil(N / 16)][Kp / 4][16][4] bytes). x quantized with one scale per activation_run_blocks
+   layout, its scales and offsets panel-major; 8: [ceil(N / 16)][Kp / 4][16][4] bytes, scales and
+   offsets [groups][Np]). x quantized with one scale per activation_run_blocks
    blocks of 32 inputs (outliers found per block), as for the AVX2 W4A8 tile (4 bits: the same bits).
    Returns 1 without VNNI, 2 without memory for the quantized activations. */
 static int vnni_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const int8_t *panels, const float *scales,
