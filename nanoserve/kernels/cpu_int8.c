@@ -950,7 +950,8 @@ static inline __attribute__((always_inline)) void w4a8_tile(const int mb, const 
         W4_SUM(0, a00, a01) W4_SUM(1, a10, a11) W4_SUM(2, a20, a21) W4_SUM(3, a30, a31)
 #undef W4_SUM
         }
-        const __m256 s0 = _mm256_loadu_ps(scales + g * gstride + n0), s1 = _mm256_loadu_ps(scales + g * gstride + n0 + 8);
+        const __m256 s0 = _mm256_loadu_ps(scales + g * gstride + n0);
+        const __m256 s1 = _mm256_loadu_ps(scales + g * gstride + n0 + 8);
 #define W4_FLUSH(r)                                                                                         \
     if (mb > r) {                                                                                         \
         const __m256 xsb = _mm256_set1_ps(xs[(m0 + r) * B + b1 - 1]); /* the run's scale */              \
@@ -977,8 +978,8 @@ static inline __attribute__((always_inline)) void w4a8_tile(const int mb, const 
 #define W4_ZP(zl, zh, gg)                                                                                   \
     {                                                                                                     \
         const __m256 xsum = _mm256_set1_ps(xr[gg]);                                                       \
-        zl = _mm256_fmadd_ps(xsum, _mm256_loadu_ps(off + (gg) * gstride), zl);                                 \
-        zh = _mm256_fmadd_ps(xsum, _mm256_loadu_ps(off + (gg) * gstride + 8), zh);                             \
+        zl = _mm256_fmadd_ps(xsum, _mm256_loadu_ps(off + (gg) * gstride), zl);                            \
+        zh = _mm256_fmadd_ps(xsum, _mm256_loadu_ps(off + (gg) * gstride + 8), zh);                        \
     }
         int64_t g = 0;
         for (; g + 4 <= G; g += 4) {
@@ -1074,10 +1075,12 @@ static inline __m512 vnni_row_outliers(__m512 acc, const int bits, int64_t m, co
                 vsum += vs[i];
             }
             acc = _mm512_fmadd_ps(_mm512_loadu_ps(scales + g * gstride + n0), vu, acc);
-            if (!per_channel) acc = _mm512_fmadd_ps(_mm512_set1_ps(vsum), _mm512_loadu_ps(offsets + g * gstride + n0), acc);
+            if (!per_channel)
+                acc = _mm512_fmadd_ps(_mm512_set1_ps(vsum), _mm512_loadu_ps(offsets + g * gstride + n0), acc);
         }
         if (per_channel)
-            acc = _mm512_fmadd_ps(_mm512_set1_ps(xg[m * G + g] + vsum), _mm512_loadu_ps(offsets + g * gstride + n0), acc);
+            acc = _mm512_fmadd_ps(_mm512_set1_ps(xg[m * G + g] + vsum), _mm512_loadu_ps(offsets + g * gstride + n0),
+                                  acc);
     }
     return acc;
 }
@@ -1222,9 +1225,9 @@ static inline __attribute__((always_inline)) void vnni_asm_tile(const int bits, 
    branch on them, and the accumulators' registers are allocated for that loop alone */
 #define VNNI_ASM_TILE(name, bits, half)                                                                      \
     static __attribute__((noinline)) void name(const uint8_t *w, const int8_t *xb, const float *xst, int64_t B, \
-                                               int64_t run, int64_t per_group, const float *gscale, int64_t gstride,   \
-                                               float facc[VNNI_ROWS][I8_PANEL]) {                                 \
-        vnni_asm_tile(bits, half, w, xb, xst, B, run, per_group, gscale, gstride, facc);                               \
+                                               int64_t run, int64_t per_group, const float *gscale,       \
+                                               int64_t gstride, float facc[VNNI_ROWS][I8_PANEL]) {        \
+        vnni_asm_tile(bits, half, w, xb, xst, B, run, per_group, gscale, gstride, facc);                       \
     }
 VNNI_ASM_TILE(vnni_tile16_w8, 8, 0)
 VNNI_ASM_TILE(vnni_tile8_w8, 8, 1)
@@ -1296,8 +1299,8 @@ static __attribute__((noinline)) void vnni_pair_tile_w8(const uint8_t *w0, const
 static inline void vnni_finish_rows(const int mb, const int bits, float facc[VNNI_ROWS][I8_PANEL], int64_t m0,
                                     const int32_t *on, const int32_t *ok, const float *ov, int64_t E, const float *xg,
                                     int64_t G, const uint8_t *panel, const float *scales, const float *offsets,
-                                    int64_t gstride, int64_t group, int64_t n0, int64_t nn, int64_t N, const float *bias,
-                                    void *y, const int y_bf16) {
+                                    int64_t gstride, int64_t group, int64_t n0, int64_t nn, int64_t N,
+                                    const float *bias, void *y, const int y_bf16) {
     const int per_channel = bits == 8 && G == 1;
     const __mmask16 mask = (__mmask16)((1u << nn) - 1);
     const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
@@ -1330,7 +1333,7 @@ static inline void vnni_finish_rows(const int mb, const int bits, float facc[VNN
         __m512 c0 = a0, c1 = a0, c2 = a0, c3 = a0, d0 = a0, d1 = a0, d2 = a0, d3 = a0;
 #define ZP_GROUP4(j, gg)                                                                         \
     {                                                                                            \
-        const __m512 o = _mm512_loadu_ps(off + (gg) * gstride);                                       \
+        const __m512 o = _mm512_loadu_ps(off + (gg) * gstride);                                  \
         ZP_FMA(a##j, x0, gg, o) ZP_FMA(b##j, x1, gg, o) ZP_FMA(c##j, x2, gg, o) ZP_FMA(d##j, x3, gg, o) \
     }
         ZP_GROUPS(ZP_GROUP4)
@@ -1459,8 +1462,8 @@ static inline __attribute__((always_inline)) void vnni_tile(const int mb, const 
         left -= b1 - b0;  /* runs never span two groups: the next run starts the next group here */
         if (left == 0) g++, left = per_group;
     }
-    vnni_finish_rows(mb, bits, facc, m0, on, ok, ov, E, xg, G, panel, scales, offsets, gstride, group, n0, nn, N, bias, y,
-                     y_bf16);
+    vnni_finish_rows(mb, bits, facc, m0, on, ok, ov, E, xg, G, panel, scales, offsets, gstride, group, n0, nn, N, bias,
+                     y, y_bf16);
 }
 
 #define VNNI_ROW_TILES(TILE, ...)                                                                \
@@ -1495,8 +1498,8 @@ static inline __attribute__((always_inline)) void vnni_tile(const int mb, const 
 #define VNNI_PAIR_MIN_ROWS 32
 static void vnni_drive_pairs(const int8_t *xq, const float *xs, const float *xg, const int32_t *on, const int32_t *ok,
                              const float *ov, int64_t M, int64_t Kp, int64_t G, int64_t run, const int8_t *panels,
-                             int64_t panel_bytes, const float *scales, const float *offsets, int64_t gstride, int64_t group,
-                             int64_t N, const float *bias, void *y, const int y_bf16, int num_threads) {
+                             int64_t panel_bytes, const float *scales, const float *offsets, int64_t gstride,
+                             int64_t group, int64_t N, const float *bias, void *y, const int y_bf16, int num_threads) {
     const int64_t B = Kp / W4_BLOCK, E = B * W4_MAX_OUTLIERS, num_panels = (N + I8_PANEL - 1) / I8_PANEL;
     const int64_t pairs = num_panels / 2, per_group = G == 1 ? B : group / W4_BLOCK;
     const int per_channel = G == 1;
@@ -1508,8 +1511,8 @@ static void vnni_drive_pairs(const int8_t *xq, const float *xs, const float *xg,
             const int8_t *panel = panels + p * panel_bytes;
             if (q == pairs) {  /* the odd last panel */
                 const int64_t nn = N - n0 < I8_PANEL ? N - n0 : I8_PANEL;
-                VNNI_ROW_TILES(vnni_tile_w8, xq, xs, xg, on, ok, ov, m0, Kp, G, run, panel, scales, offsets, gstride, group,
-                               n0, nn, N, bias, y, y_bf16);
+                VNNI_ROW_TILES(vnni_tile_w8, xq, xs, xg, on, ok, ov, m0, Kp, G, run, panel, scales, offsets, gstride,
+                               group, n0, nn, N, bias, y, y_bf16);
                 continue;
             }
             const int64_t n1 = n0 + I8_PANEL, nn1 = N - n1 < I8_PANEL ? N - n1 : I8_PANEL;
@@ -1522,9 +1525,10 @@ static void vnni_drive_pairs(const int8_t *xq, const float *xs, const float *xg,
                 vnni_pair_tile_w8((const uint8_t *)panel, (const uint8_t *)panel + panel_bytes,
                                   xq + tile * B * VNNI_ROWS * W4_BLOCK + half * W4_BLOCK,
                                   xs + tile * B * VNNI_ROWS + half, B, run, per_group,
-                                  per_channel ? NULL : scales + n0, per_channel ? NULL : scales + n1, gstride, facc0, facc1);
-                vnni_finish_rows(mb, 8, facc0, m0, on, ok, ov, E, xg, G, (const uint8_t *)panel, scales, offsets, gstride,
-                                 group, n0, I8_PANEL, N, bias, y, y_bf16);
+                                  per_channel ? NULL : scales + n0, per_channel ? NULL : scales + n1, gstride, facc0,
+                                  facc1);
+                vnni_finish_rows(mb, 8, facc0, m0, on, ok, ov, E, xg, G, (const uint8_t *)panel, scales, offsets,
+                                 gstride, group, n0, I8_PANEL, N, bias, y, y_bf16);
                 vnni_finish_rows(mb, 8, facc1, m0, on, ok, ov, E, xg, G, (const uint8_t *)panel + panel_bytes, scales,
                                  offsets, gstride, group, n1, nn1, N, bias, y, y_bf16);
             }
