@@ -33,15 +33,15 @@ def select_backend(
     batch_invariant: only kernels whose per-row results do not depend on the batch (CPU only).
     quantization (Config.quantization) runs on the CPU backend only. prefill_only: an engine without
     decode steps (runner="pooling"), whose GEMMs all see hundreds of rows (CPU)."""
-    if quantization is not None and (device.type != "cpu" or requested not in ("auto", "cpu")):
-        raise ValueError(f"quantization={quantization!r} runs on the CPU backend only (device='cpu', "
-                         f"attention_backend 'auto' or 'cpu'); got device {device.type}, "
-                         f"attention_backend {requested!r}")
-    if batch_invariant and (device.type != "cpu" or requested not in ("auto", "cpu")):
-        # Only the CPU backend's own kernels give a row the same bits whatever shares its step;
-        # cuBLAS, the CUDA attention kernels and the torch reference pick tiles by batch size.
-        raise ValueError(f"batch_invariant=True runs on the CPU backend only (device='cpu', attention_backend "
-                         f"'auto' or 'cpu'); got device {device.type}, attention_backend {requested!r}")
+    on_cpu_backend = device.type == "cpu" and requested in ("auto", "cpu")
+    # Only the CPU backend's own kernels give a row the same bits whatever shares its step (cuBLAS,
+    # the CUDA attention kernels and the torch reference pick tiles by batch size), and only they run
+    # integer weights.
+    for option, asked in ((f"quantization={quantization!r}", quantization is not None),
+                          ("batch_invariant=True", batch_invariant)):
+        if asked and not on_cpu_backend:
+            raise ValueError(f"{option} runs on the CPU backend only (device='cpu', attention_backend 'auto' or "
+                             f"'cpu'); got device {device.type}, attention_backend {requested!r}")
     if isinstance(requested, type):
         if not issubclass(requested, Backend):
             raise TypeError(f"attention_backend must be a name or a Backend subclass, got {requested!r}")
